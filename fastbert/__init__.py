@@ -1,0 +1,30 @@
+"""fastbert: fast, correct BERT pretraining and fine-tuning.
+
+Two kernel paths, one model: ``kernels="torch"`` (plain PyTorch reference, any device) and
+``kernels="triton"`` (fused kernels). Public shapes follow HF transformers; inside the
+encoder tokens are unpadded to ``(total_tokens, hidden)``.
+"""
+__version__ = "0.1.0"
+
+from fastbert.config import BertConfig
+from fastbert.model import BertModel
+from fastbert.heads import (
+    BertForMaskedLM,
+    BertForMultipleChoice,
+    BertForPreTraining,
+    BertForQuestionAnswering,
+    BertForSequenceClassification,
+    BertForTokenClassification,
+)
+
+__all__ = [
+    "__version__",
+    "BertConfig",
+    "BertModel",
+    "BertForPreTraining",
+    "BertForMaskedLM",
+    "BertForSequenceClassification",
+    "BertForTokenClassification",
+    "BertForQuestionAnswering",
+    "BertForMultipleChoice",
+]

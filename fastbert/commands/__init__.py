@@ -1,0 +1,1 @@
+"""Subcommands of the ``fastbert`` CLI, one module each (see fastbert/cli.py)."""

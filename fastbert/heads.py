@@ -1,0 +1,255 @@
+"""Task heads with HF's names, call signatures and output fields.
+
+Pretraining / MLM use the sparse MLM loss (only masked positions are predicted) when labels are
+given; dense ``logits`` are computed only when no labels are passed.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fastbert.config import BertConfig
+from fastbert.model import (BertModel, BertPreTrainedModel, ModelOutput, _reject_unsupported, gelu_approx,
+                            padded_attentions, padded_hidden_states)
+from fastbert.ops.mlm_loss import mlm_transform_ref
+from fastbert.padding import pad
+
+
+class BertPredictionHeadTransform(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+
+class BertLMPredictionHead(nn.Module):
+    """Transform + decoder tied to the word embeddings: ``decoder.weight`` IS the embedding Parameter
+    (registered under both names, as in HF, so ZeRO-3 and state dicts see the tie)."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.transform = BertPredictionHeadTransform(config)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+        self.decoder = nn.Module()  # .weight is set by the model's tie_weights()
+
+    def logits(self, h):
+        t = self.transform
+        h = mlm_transform_ref(h, t.dense.weight, t.dense.bias, t.LayerNorm.weight, t.LayerNorm.bias,
+                              self.config.layer_norm_eps, gelu_approx(self.config))
+        return F.linear(h, self.decoder.weight, self.bias)
+
+    def loss(self, ops, h, labels):
+        t = self.transform
+        return ops.mlm_loss(h, labels, t.dense.weight, t.dense.bias, t.LayerNorm.weight, t.LayerNorm.bias,
+                            self.config.layer_norm_eps, self.decoder.weight, self.bias, gelu_approx(self.config))
+
+
+class BertPreTrainingHeads(nn.Module):
+    def __init__(self, config: BertConfig, nsp: bool = True):
+        super().__init__()
+        self.predictions = BertLMPredictionHead(config)
+        if nsp:
+            self.seq_relationship = nn.Linear(config.hidden_size, 2)
+
+
+class _MLMModel(BertPreTrainedModel):
+    """Shared MLM plumbing: tie the decoder, sparse loss on unpadded tokens, dense logits on request."""
+
+    head_prefixes = ("cls.",)
+    has_nsp = False
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.bert = BertModel(config, add_pooling_layer=self.has_nsp)
+        self.cls = BertPreTrainingHeads(config, nsp=self.has_nsp)
+        self.init_weights()
+
+    def tie_weights(self):
+        self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
+
+    def get_output_embeddings(self):
+        return self.cls.predictions
+
+    def _mlm(self, x, info, labels):
+        """Sparse loss on ``x`` (tokens, hidden) when labels are given; else dense padded logits."""
+        head = self.cls.predictions
+        if labels is None:
+            return None, pad(head.logits(x), info), None, None
+        flat_labels = labels.reshape(-1).index_select(0, info.indices)
+        loss, correct, count = head.loss(self.ops, x, flat_labels)
+        return loss, None, correct, count
+
+
+class BertForPreTraining(_MLMModel):
+    """MLM (sparse, tied decoder) + NSP on the pooled [CLS]. ``next_sentence_label`` is optional."""
+
+    has_nsp = True
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
+                next_sentence_label=None, output_attentions=False, output_hidden_states=False, return_dict=True,
+                **unused):
+        _reject_unsupported(unused)
+        x, info, hidden, attn = self.bert.run(input_ids, attention_mask, token_type_ids, position_ids,
+                                              output_attentions, output_hidden_states)
+        cls_rows = x.index_select(0, info.cu_seqlens[:-1].long())  # (B, H): first token of each sequence
+        nsp_logits = self.cls.seq_relationship(self.bert.pooler(cls_rows))
+        mlm_loss, logits, correct, count = self._mlm(x, info, labels)
+        loss = mlm_loss
+        nsp_correct = None
+        if next_sentence_label is not None:
+            nsp_loss = F.cross_entropy(nsp_logits.float(), next_sentence_label.view(-1))
+            loss = nsp_loss if loss is None else loss + nsp_loss
+            nsp_correct = (nsp_logits.argmax(-1) == next_sentence_label.view(-1)).sum()
+        out = ModelOutput(loss=loss, prediction_logits=logits, seq_relationship_logits=nsp_logits,
+                          hidden_states=padded_hidden_states(hidden, info), attentions=padded_attentions(attn, info),
+                          mlm_loss=mlm_loss, mlm_correct=correct, mlm_count=count, nsp_correct=nsp_correct)
+        return out if return_dict else out.to_tuple()
+
+
+class BertForMaskedLM(_MLMModel):
+    has_nsp = False
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
+                output_attentions=False, output_hidden_states=False, return_dict=True, **unused):
+        _reject_unsupported(unused)
+        x, info, hidden, attn = self.bert.run(input_ids, attention_mask, token_type_ids, position_ids,
+                                              output_attentions, output_hidden_states)
+        loss, logits, correct, count = self._mlm(x, info, labels)
+        out = ModelOutput(loss=loss, logits=logits, hidden_states=padded_hidden_states(hidden, info),
+                          attentions=padded_attentions(attn, info), mlm_correct=correct, mlm_count=count)
+        return out if return_dict else out.to_tuple()
+
+
+def _classifier_dropout(config: BertConfig) -> nn.Dropout:
+    p = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+    return nn.Dropout(p)
+
+
+class BertForSequenceClassification(BertPreTrainedModel):
+    """Classification (cross-entropy), regression (``num_labels == 1``, MSE) or multi-label (BCE)."""
+
+    head_prefixes = ("classifier.",)
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.bert = BertModel(config)
+        self.dropout = _classifier_dropout(config)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.init_weights()
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
+                output_attentions=False, output_hidden_states=False, return_dict=True, **unused):
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, output_attentions,
+                        output_hidden_states, **unused)
+        logits = self.classifier(self.dropout(out.pooler_output))
+        loss = None
+        if labels is not None:
+            loss = sequence_classification_loss(self.config, logits, labels)
+        res = ModelOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
+        return res if return_dict else res.to_tuple()
+
+
+def sequence_classification_loss(config: BertConfig, logits, labels):
+    """HF's rule: regression when num_labels == 1, single-label for integer labels, else multi-label."""
+    problem = config.problem_type
+    if problem is None:
+        if config.num_labels == 1:
+            problem = "regression"
+        elif labels.dtype in (torch.long, torch.int):
+            problem = "single_label_classification"
+        else:
+            problem = "multi_label_classification"
+    if problem == "regression":
+        return F.mse_loss(logits.squeeze(-1).float(), labels.squeeze(-1).float()) if config.num_labels == 1 \
+            else F.mse_loss(logits.float(), labels.float())
+    if problem == "single_label_classification":
+        return F.cross_entropy(logits.view(-1, config.num_labels).float(), labels.view(-1))
+    return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+
+
+class BertForTokenClassification(BertPreTrainedModel):
+    head_prefixes = ("classifier.",)
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.bert = BertModel(config, add_pooling_layer=False)
+        self.dropout = _classifier_dropout(config)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.init_weights()
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
+                output_attentions=False, output_hidden_states=False, return_dict=True, **unused):
+        _reject_unsupported(unused)
+        x, info, hidden, attn = self.bert.run(input_ids, attention_mask, token_type_ids, position_ids,
+                                              output_attentions, output_hidden_states)
+        token_logits = self.classifier(self.dropout(x))  # (tokens, num_labels): real tokens only
+        loss = None
+        if labels is not None:
+            flat = labels.reshape(-1).index_select(0, info.indices)
+            loss = F.cross_entropy(token_logits.float(), flat, ignore_index=-100)
+        res = ModelOutput(loss=loss, logits=pad(token_logits, info), hidden_states=padded_hidden_states(hidden, info),
+                          attentions=padded_attentions(attn, info))
+        return res if return_dict else res.to_tuple()
+
+
+class BertForQuestionAnswering(BertPreTrainedModel):
+    """Span start/end logits; padding positions get the dtype's lowest value so they are never chosen."""
+
+    head_prefixes = ("qa_outputs.",)
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.bert = BertModel(config, add_pooling_layer=False)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.init_weights()
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                start_positions=None, end_positions=None, output_attentions=False, output_hidden_states=False,
+                return_dict=True, **unused):
+        _reject_unsupported(unused)
+        x, info, hidden, attn = self.bert.run(input_ids, attention_mask, token_type_ids, position_ids,
+                                              output_attentions, output_hidden_states)
+        logits = pad(self.qa_outputs(x), info, value=torch.finfo(x.dtype).min)  # (B, S, 2)
+        start_logits, end_logits = logits[..., 0].contiguous(), logits[..., 1].contiguous()
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            ignored = start_logits.shape[1]
+            s = start_positions.view(-1).clamp(0, ignored)
+            e = end_positions.view(-1).clamp(0, ignored)
+            loss = (F.cross_entropy(start_logits.float(), s, ignore_index=ignored)
+                    + F.cross_entropy(end_logits.float(), e, ignore_index=ignored)) / 2
+        res = ModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits,
+                          hidden_states=padded_hidden_states(hidden, info), attentions=padded_attentions(attn, info))
+        return res if return_dict else res.to_tuple()
+
+
+class BertForMultipleChoice(BertPreTrainedModel):
+    """Inputs ``(batch, choices, seq)``; logits ``(batch, choices)``."""
+
+    head_prefixes = ("classifier.",)
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.bert = BertModel(config)
+        self.dropout = _classifier_dropout(config)
+        self.classifier = nn.Linear(config.hidden_size, 1)
+        self.init_weights()
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
+                output_attentions=False, output_hidden_states=False, return_dict=True, **unused):
+        num_choices = input_ids.shape[1]
+        flat = lambda t: None if t is None else t.reshape(-1, t.shape[-1])  # noqa: E731  (B*C, S)
+        out = self.bert(flat(input_ids), flat(attention_mask), flat(token_type_ids), flat(position_ids),
+                        output_attentions, output_hidden_states, **unused)
+        logits = self.classifier(self.dropout(out.pooler_output)).view(-1, num_choices)  # (B, C)
+        loss = F.cross_entropy(logits.float(), labels.view(-1)) if labels is not None else None
+        res = ModelOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
+        return res if return_dict else res.to_tuple()
+
+
+HEADS = {cls.__name__: cls for cls in (BertModel, BertForPreTraining, BertForMaskedLM, BertForSequenceClassification,
+                                       BertForTokenClassification, BertForQuestionAnswering, BertForMultipleChoice)}

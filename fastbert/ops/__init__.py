@@ -1,0 +1,30 @@
+"""Fused ops, one file each (reference + Triton kernels), and the dispatch the model uses.
+
+``get_ops("torch")`` returns the plain-PyTorch references; ``get_ops("triton")`` the fused kernels.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+
+class Ops(NamedTuple):
+    embeddings: Callable
+    dropout_add_layer_norm: Callable
+    linear_bias_gelu: Callable
+    attention: Callable
+    mlm_loss: Callable
+
+
+def get_ops(kernels: str) -> Ops:
+    if kernels == "torch":
+        from fastbert.ops.attention import varlen_attention_ref
+        from fastbert.ops.embeddings import bert_embeddings_ref
+        from fastbert.ops.ffn import linear_bias_gelu_ref
+        from fastbert.ops.layer_norm import dropout_add_layer_norm_ref
+        from fastbert.ops.mlm_loss import sparse_mlm_loss_ref
+        return Ops(bert_embeddings_ref, dropout_add_layer_norm_ref, linear_bias_gelu_ref,
+                   varlen_attention_ref, sparse_mlm_loss_ref)
+    if kernels == "triton":
+        from fastbert.ops.triton_ops import triton_ops
+        return triton_ops()
+    raise ValueError(f"unknown kernels={kernels!r}; use 'torch' or 'triton'")

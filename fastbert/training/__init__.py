@@ -1,0 +1,1 @@
+"""fastbert.training"""
