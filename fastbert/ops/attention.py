@@ -1,0 +1,468 @@
+"""Variable-length (unpadded) multi-head attention.
+
+``q, k, v``: ``(total_tokens, heads, head_dim)`` (views of one packed QKV are fine), int32
+``cu_seqlens`` ``(batch + 1,)``. Returns ``(total_tokens, heads, head_dim)``.
+
+Top to bottom: the plain-PyTorch reference (pads per sequence internally), the Triton kernels
+(flash-style forward that stores the log-sum-exp; backward as preprocess (delta), dK/dV and dQ),
+the host wrappers ``varlen_attention_forward`` / ``varlen_attention_backward``, the torch custom
+ops that let ``torch.compile`` wrap them, the ``autograd.Function`` and ``varlen_attention``.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+from fastbert.padding import unpad_by_seqlens, pad, unpad
+
+
+def _padded(q, k, v, cu_seqlens, max_seqlen):
+    info = unpad_by_seqlens(q, cu_seqlens, max_seqlen)
+    # (B, S, nh, hd) -> (B, nh, S, hd)
+    qp, kp, vp = (pad(t, info).transpose(1, 2) for t in (q, k, v))
+    key_mask = torch.zeros(info.batch * info.seqlen, dtype=torch.bool, device=q.device)
+    key_mask[info.indices] = True
+    key_mask = key_mask.view(info.batch, 1, 1, info.seqlen)
+    return info, qp, kp, vp, key_mask
+
+
+def attention_probs_ref(q, k, cu_seqlens, max_seqlen, softmax_scale=None):
+    """Softmax attention maps ``(batch, heads, max_seqlen, max_seqlen)``; rows of padding are 0."""
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    info, qp, kp, _, key_mask = _padded(q, k, k, cu_seqlens, max_seqlen)
+    scores = torch.matmul(qp, kp.transpose(-1, -2)) * scale  # (B, nh, S, S)
+    scores = scores.masked_fill(~key_mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1)
+    query_mask = key_mask.view(info.batch, 1, info.seqlen, 1)
+    return probs * query_mask
+
+
+def varlen_attention_ref(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, seed=None):
+    """Reference: pad per sequence, masked softmax attention, unpad. ``seed`` is ignored here."""
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    info, qp, kp, vp, key_mask = _padded(q, k, v, cu_seqlens, max_seqlen)
+    scores = torch.matmul(qp, kp.transpose(-1, -2)) * scale  # (B, nh, S, S)
+    scores = scores.masked_fill(~key_mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, dropout_p, training=True)
+    out = torch.matmul(probs, vp)  # (B, nh, S, hd)
+    return unpad(out.transpose(1, 2), info)  # (T, nh, hd)
+
+
+# ============================================================================ Triton kernels
+try:
+    import triton
+    import triton.language as tl
+    _jit = triton.jit
+except ImportError:  # pragma: no cover - the reference above works without triton
+    triton = tl = None
+
+    def _jit(fn=None, **_):
+        return fn if fn is not None else (lambda f: f)
+
+_LOG2E = 1.4426950408889634
+# Dropout draws one Philox number per (query, key) pair of a sequence: the counter is
+# ``row * max_seqlen + col`` (local to the sequence) and the key is the user seed in the low 32 bits
+# plus the (sequence, head) stream in the high 32 bits, so forward and backward regenerate the
+# same mask whatever block sizes they use.
+_STREAM_SHIFT = 4294967296  # 2**32
+
+
+@_jit
+def _philox_keep(seed, stream, rows, cols, max_seqlen, dropout_p):
+    """Boolean keep-mask for the ``(rows, cols)`` grid of one (sequence, head) stream."""
+    key = seed.to(tl.int64) + stream.to(tl.int64) * _STREAM_SHIFT
+    return tl.rand(key, rows * max_seqlen + cols) >= dropout_p
+
+
+@_jit(do_not_specialize=["seed", "max_seqlen"])
+def _fwd_kernel(
+    Q, K, V, O, LSE, CU_SEQLENS,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_lse_h, nheads, qk_scale, dropout_p, seed, max_seqlen,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program = one block of BLOCK_M queries of one (sequence, head); grid (q-block, seq, head)."""
+    pid_m = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    start = tl.load(CU_SEQLENS + seq)
+    seqlen = tl.load(CU_SEQLENS + seq + 1) - start
+    if pid_m * BLOCK_M >= seqlen:  # past the end of this sequence: no work on padding
+        return
+    start64 = start.to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < seqlen
+    mask_d = offs_d < HEAD_DIM
+
+    q_ptrs = Q + start64 * stride_qt + head * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    k_base = K + start64 * stride_kt + head * stride_kh
+    v_base = V + start64 * stride_vt + head * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    stream = seq * nheads + head
+    for start_n in range(0, seqlen, BLOCK_N):
+        cols = start_n + offs_n
+        mask_n = cols < seqlen
+        k = tl.load(k_base + cols[:, None] * stride_kt + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        # Key 0 is always valid, so m_new is finite from the first block on: no inf - inf.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if HAS_DROPOUT:
+            keep = _philox_keep(seed, stream, offs_m[:, None], cols[None, :], max_seqlen, dropout_p)
+            p = tl.where(keep, p, 0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # never NaN, even for a row that saw no key
+    acc = acc / l_safe[:, None]
+    if HAS_DROPOUT:
+        acc = acc * (1.0 / (1.0 - dropout_p))
+    o_ptrs = O + start64 * stride_ot + head * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :]
+    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    tl.store(LSE + head * stride_lse_h + start + offs_m, m_i + tl.math.log2(l_safe), mask=mask_m)
+
+
+@_jit
+def _bwd_preprocess_kernel(O, DO, DELTA, stride_ot, stride_oh, stride_dot, stride_doh, stride_delta_h, total,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """``delta[h, t] = sum_d O[t, h, d] * dO[t, h, d]`` (fp32), the softmax-backward row term."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    head = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_t < total)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    o = tl.load(O + offs_t[:, None].to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :],
+                mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + offs_t[:, None].to(tl.int64) * stride_dot + head * stride_doh + offs_d[None, :],
+                 mask=mask, other=0.0).to(tl.float32)
+    tl.store(DELTA + head * stride_delta_h + offs_t, tl.sum(o * do, 1), mask=offs_t < total)
+
+
+@_jit(do_not_specialize=["seed", "max_seqlen"])
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    stride_lse_h, nheads, qk_scale, softmax_scale, dropout_p, seed, max_seqlen,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program = one block of BLOCK_N keys of one (sequence, head), looping over its queries."""
+    pid_n = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    start = tl.load(CU_SEQLENS + seq)
+    seqlen = tl.load(CU_SEQLENS + seq + 1) - start
+    if pid_n * BLOCK_N >= seqlen:
+        return
+    start64 = start.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_n = offs_n < seqlen
+    mask_d = offs_d < HEAD_DIM
+    mask_nd = mask_n[:, None] & mask_d[None, :]
+
+    k = tl.load(K + start64 * stride_kt + head * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :],
+                mask=mask_nd, other=0.0)
+    v = tl.load(V + start64 * stride_vt + head * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :],
+                mask=mask_nd, other=0.0)
+    q_base = Q + start64 * stride_qt + head * stride_qh
+    do_base = DO + start64 * stride_dot + head * stride_doh
+    lse_base = LSE + head * stride_lse_h + start
+    delta_base = DELTA + head * stride_lse_h + start
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    stream = seq * nheads + head
+    for start_m in range(0, seqlen, BLOCK_M):
+        rows = start_m + offs_m
+        mask_m = rows < seqlen
+        mask_md = mask_m[:, None] & mask_d[None, :]
+        q = tl.load(q_base + rows[:, None] * stride_qt + offs_d[None, :], mask=mask_md, other=0.0)
+        do = tl.load(do_base + rows[:, None] * stride_dot + offs_d[None, :], mask=mask_md, other=0.0)
+        lse = tl.load(lse_base + rows, mask=mask_m, other=0.0)
+        delta = tl.load(delta_base + rows, mask=mask_m, other=0.0)
+        # Transposed probabilities P^T (BLOCK_N, BLOCK_M), rebuilt from the stored log-sum-exp.
+        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
+        pT = tl.math.exp2(qkT - lse[None, :])
+        pT = tl.where(mask_n[:, None] & mask_m[None, :], pT, 0.0)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (dO V^T)^T
+        if HAS_DROPOUT:
+            keepT = _philox_keep(seed, stream, rows[None, :], offs_n[:, None], max_seqlen, dropout_p)
+            scale_keep = 1.0 / (1.0 - dropout_p)
+            dv = tl.dot(tl.where(keepT, pT * scale_keep, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            dpT = tl.where(keepT, dpT * scale_keep, 0.0)
+        else:
+            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dsT = pT * (dpT - delta[None, :])
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+
+    dk = dk * softmax_scale
+    tl.store(DK + start64 * stride_dkt + head * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
+             dk.to(DK.dtype.element_ty), mask=mask_nd)
+    tl.store(DV + start64 * stride_dvt + head * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=mask_nd)
+
+
+@_jit(do_not_specialize=["seed", "max_seqlen"])
+def _bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, CU_SEQLENS,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dqt, stride_dqh,
+    stride_lse_h, nheads, qk_scale, softmax_scale, dropout_p, seed, max_seqlen,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program = one block of BLOCK_M queries of one (sequence, head), looping over its keys."""
+    pid_m = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    start = tl.load(CU_SEQLENS + seq)
+    seqlen = tl.load(CU_SEQLENS + seq + 1) - start
+    if pid_m * BLOCK_M >= seqlen:
+        return
+    start64 = start.to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < seqlen
+    mask_d = offs_d < HEAD_DIM
+    mask_md = mask_m[:, None] & mask_d[None, :]
+
+    q = tl.load(Q + start64 * stride_qt + head * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
+                mask=mask_md, other=0.0)
+    do = tl.load(DO + start64 * stride_dot + head * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
+                 mask=mask_md, other=0.0)
+    lse = tl.load(LSE + head * stride_lse_h + start + offs_m, mask=mask_m, other=0.0)
+    delta = tl.load(DELTA + head * stride_lse_h + start + offs_m, mask=mask_m, other=0.0)
+    k_base = K + start64 * stride_kt + head * stride_kh
+    v_base = V + start64 * stride_vt + head * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    stream = seq * nheads + head
+    for start_n in range(0, seqlen, BLOCK_N):
+        cols = start_n + offs_n
+        mask_n = cols < seqlen
+        mask_nd = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_base + cols[:, None] * stride_kt + offs_d[None, :], mask=mask_nd, other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=mask_nd, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        p = tl.math.exp2(qk - lse[:, None])
+        p = tl.where(mask_m[:, None] & mask_n[None, :], p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if HAS_DROPOUT:
+            keep = _philox_keep(seed, stream, offs_m[:, None], cols[None, :], max_seqlen, dropout_p)
+            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+
+    dq = dq * softmax_scale
+    tl.store(DQ + start64 * stride_dqt + head * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=mask_md)
+
+
+# ============================================================================ host wrappers
+# Launch configurations as (BLOCK_M, BLOCK_N, num_warps, num_stages), per kernel, chosen for BERT
+# (head_dim 64, sequences of 128..512 tokens) on an H100; benchmarks/bench_attention.py --sweep
+# re-measures them. Under the interpreter small blocks keep CPU tests fast.
+_GPU_CONFIGS = {
+    # head_dim <= 64
+    ("fwd", 64): (128, 64, 4, 3),
+    ("dkdv", 64): (64, 64, 4, 2),
+    ("dq", 64): (64, 64, 4, 2),
+    # head_dim 128
+    ("fwd", 128): (128, 64, 8, 2),
+    ("dkdv", 128): (32, 64, 4, 2),
+    ("dq", 128): (64, 32, 4, 2),
+}
+_INTERPRETER_CONFIG = (32, 32, 1, 1)
+_PREPROCESS_BLOCK_T = 64
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _launch_config(kind: str, head_dim: int, max_seqlen: int, device: torch.device):
+    if device.type != "cuda":
+        return _INTERPRETER_CONFIG
+    block_m, block_n, warps, stages = _GPU_CONFIGS[(kind, 64 if head_dim <= 64 else 128)]
+    # Short sequences: shrink the query / key block so programs are not mostly masked.
+    cap = max(16, triton.next_power_of_2(max_seqlen))
+    return min(block_m, cap), min(block_n, cap), warps, stages
+
+
+def _kernel_constants(q: torch.Tensor, dropout_p: float) -> dict:
+    head_dim = q.shape[-1]
+    return dict(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+                HAS_DROPOUT=dropout_p > 0.0,
+                # fp32 inputs (the interpreter, or fp32 on GPU) keep full precision; 16-bit ignore it.
+                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+
+
+def varlen_attention_forward(q, k, v, cu_seqlens, max_seqlen: int, dropout_p: float, softmax_scale: float,
+                             seed: int):
+    """Returns ``out`` ``(T, nh, hd)`` and the log-sum-exp in log2 units ``(nh, T)`` fp32."""
+    total, nheads, head_dim = q.shape
+    out = torch.empty((total, nheads, head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((nheads, total), dtype=torch.float32, device=q.device)
+    batch = cu_seqlens.shape[0] - 1
+    if total == 0 or batch == 0 or max_seqlen == 0:
+        return out, lse
+    block_m, block_n, warps, stages = _launch_config("fwd", head_dim, max_seqlen, q.device)
+    grid = (triton.cdiv(max_seqlen, block_m), batch, nheads)
+    _fwd_kernel[grid](
+        q, k, v, out, lse, cu_seqlens,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        lse.stride(0), nheads, softmax_scale * _LOG2E, dropout_p, seed, max_seqlen,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **_kernel_constants(q, dropout_p))
+    return out, lse
+
+
+def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, dropout_p: float,
+                              softmax_scale: float, seed: int):
+    """Returns ``dq, dk, dv``, each ``(T, nh, hd)`` contiguous."""
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    total, nheads, head_dim = q.shape
+    dq = torch.empty((total, nheads, head_dim), dtype=q.dtype, device=q.device)
+    dk = torch.empty((total, nheads, head_dim), dtype=k.dtype, device=q.device)
+    dv = torch.empty((total, nheads, head_dim), dtype=v.dtype, device=q.device)
+    batch = cu_seqlens.shape[0] - 1
+    if total == 0 or batch == 0 or max_seqlen == 0:
+        return dq, dk, dv
+    consts = _kernel_constants(q, dropout_p)
+    delta = torch.empty((nheads, total), dtype=torch.float32, device=q.device)
+    _bwd_preprocess_kernel[(triton.cdiv(total, _PREPROCESS_BLOCK_T), nheads)](
+        out, dout, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), delta.stride(0), total,
+        HEAD_DIM=head_dim, BLOCK_D=consts["BLOCK_D"], BLOCK_T=_PREPROCESS_BLOCK_T)
+    common = (lse.stride(0), nheads, softmax_scale * _LOG2E, softmax_scale, dropout_p, seed, max_seqlen)
+    strides_in = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                  dout.stride(0), dout.stride(1))
+
+    block_m, block_n, warps, stages = _launch_config("dkdv", head_dim, max_seqlen, q.device)
+    _bwd_dkdv_kernel[(triton.cdiv(max_seqlen, block_n), batch, nheads)](
+        q, k, v, dout, lse, delta, dk, dv, cu_seqlens, *strides_in,
+        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *common,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **consts)
+
+    block_m, block_n, warps, stages = _launch_config("dq", head_dim, max_seqlen, q.device)
+    _bwd_dq_kernel[(triton.cdiv(max_seqlen, block_m), batch, nheads)](
+        q, k, v, dout, lse, delta, dq, cu_seqlens, *strides_in, dq.stride(0), dq.stride(1), *common,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **consts)
+    return dq, dk, dv
+
+
+# ============================================================================ torch custom ops
+# Under torch.compile the autograd.Function below calls these ops, which Inductor treats as opaque
+# kernels with known output shapes; in eager mode it calls the host wrappers directly (the
+# dispatcher round-trip costs more than a short BERT attention). Registration needs
+# torch.library.custom_op (torch >= 2.4); without it compile graph-breaks around the kernels.
+def _register_custom_ops():
+    try:
+        fwd = torch.library.custom_op(
+            "fastbert::varlen_attention_fwd", varlen_attention_forward, mutates_args=(),
+            schema="(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, SymInt max_seqlen, float dropout_p, "
+                   "float softmax_scale, int seed) -> (Tensor, Tensor)")
+        bwd = torch.library.custom_op(
+            "fastbert::varlen_attention_bwd", varlen_attention_backward, mutates_args=(),
+            schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens, "
+                   "SymInt max_seqlen, float dropout_p, float softmax_scale, int seed) -> (Tensor, Tensor, Tensor)")
+    except (AttributeError, RuntimeError, TypeError, ValueError):  # old torch, or registered twice
+        return None, None
+
+    @fwd.register_fake
+    def _fwd_fake(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
+        total, nheads, head_dim = q.shape
+        return q.new_empty((total, nheads, head_dim)), q.new_empty((nheads, total), dtype=torch.float32)
+
+    @bwd.register_fake
+    def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
+        return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
+
+    return fwd, bwd
+
+
+_fwd_op, _bwd_op = _register_custom_ops() if triton is not None else (None, None)
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+
+
+# ============================================================================ autograd + entry point
+class VarlenAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
+        fwd = _fwd_op if (_fwd_op is not None and _compiling()) else varlen_attention_forward
+        out, lse = fwd(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+        ctx.args = (max_seqlen, dropout_p, softmax_scale, seed)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        bwd = _bwd_op if (_bwd_op is not None and _compiling()) else varlen_attention_backward
+        dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_seqlens, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None
+
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_inputs(q, k, v, cu_seqlens, dropout_p):
+    if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"q, k, v must share one (total_tokens, heads, head_dim) shape; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
+        raise TypeError(f"q, k, v must share one dtype among fp16/bf16/fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[-1] > 128:
+        raise ValueError(f"head_dim {q.shape[-1]} > 128 is not supported by the Triton kernel; "
+                         "use kernels='torch' (varlen_attention_ref)")
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+        raise TypeError(f"cu_seqlens must be a 1-D int32 tensor (fastbert.padding.unpad_mask makes one); "
+                        f"got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
+    if not (q.device == k.device == v.device == cu_seqlens.device):
+        raise ValueError("q, k, v and cu_seqlens must be on one device")
+    if q.device.type != "cuda" and not _interpreting():
+        raise RuntimeError("the Triton varlen_attention needs a CUDA device (or TRITON_INTERPRET=1 set before "
+                           "fastbert is imported, for CPU tests); on CPU use kernels='torch'")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if triton is None:  # pragma: no cover
+        raise RuntimeError("varlen_attention needs triton: pip install triton (or use kernels='torch')")
+
+
+def varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, seed=None):
+    """Fused attention over unpadded sequences; same signature and semantics as ``varlen_attention_ref``.
+
+    ``max_seqlen`` must be at least the longest sequence in ``cu_seqlens``. ``seed`` (int) fixes the
+    dropout mask; ``None`` draws one from torch's CPU generator, so ``torch.manual_seed`` makes runs
+    repeatable. The mask is regenerated in backward, never stored.
+    """
+    _check_inputs(q, k, v, cu_seqlens, dropout_p)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if dropout_p > 0.0 and seed is None:
+        seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+    seed = 0 if seed is None else int(seed) % 2**31
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    return VarlenAttentionFunction.apply(q, k, v, cu_seqlens, max_seqlen, float(dropout_p), scale, seed)

@@ -1,0 +1,276 @@
+"""Drop-in speed-up for an existing HF ``transformers`` BERT: ``patch(model)`` / ``unpatch(model)``.
+
+``patch`` replaces the ``forward`` of the model's ``BertModel`` (on the instance, not the class)
+with an unpadded one that runs on fastbert's fused ops, reading HF's own parameters: no copy, the
+same ``state_dict`` keys, the optimizer and checkpoints untouched. The task heads (MLM / NSP /
+classification / QA ...) stay HF's and call the patched ``BertModel`` as before.
+
+Inside: unpad once at entry (``fastbert.padding``), embeddings + LayerNorm, then per layer one
+QKV GEMM (HF's query / key / value weights concatenated at call time), varlen attention, output
+projection, fused bias + dropout + residual + LayerNorm, fused bias + GELU FFN; pad back on exit.
+
+Differences from HF that no loss sees: hidden states at padding positions are 0 (HF computes
+values there), attention maps are 0 on padding rows and are the maps before dropout, and dropout
+draws different random masks. Forward hooks on HF's inner modules (layers, attention) no longer
+fire; hooks on ``BertModel`` and the heads do.
+"""
+from __future__ import annotations
+
+import math
+import types
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from fastbert.ops import get_ops
+from fastbert.ops.attention import attention_probs_ref
+from fastbert.padding import Unpadded, pad, unpad, unpad_mask
+
+_STATE = "_fastbert_patch"  # attribute on the patched BertModel: what unpatch restores
+_GELU = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh"}
+_KERNELS = (None, "torch", "triton")
+
+
+class UnsupportedModelError(ValueError):
+    """A model or input fastbert.patch cannot run exactly; the message says what and what to do."""
+
+
+# ---------------------------------------------------------------------------------- public API
+def patch(model, kernels: Optional[str] = None):
+    """Make an HF ``BertModel`` / ``BertFor*`` instance run on fastbert's kernels, in place.
+
+    ``kernels``: ``"triton"`` (fused, CUDA), ``"torch"`` (reference ops, any device) or ``None``
+    (default): ``"triton"`` for CUDA inputs, ``"torch"`` otherwise, decided at each call.
+    Returns ``model``. Patching a patched model only changes ``kernels``.
+    """
+    if kernels not in _KERNELS:
+        raise ValueError(f"kernels={kernels!r}: use 'triton', 'torch' or None (triton on CUDA, torch otherwise)")
+    bert = _find_bert(model)
+    _check_config(bert, kernels)
+    if kernels is not None:
+        get_ops(kernels)  # fail now, not at the first batch, if triton is missing
+    state = getattr(bert, _STATE, None)
+    if state is None:
+        had_own = "forward" in bert.__dict__
+        state = {"had_own_forward": had_own, "forward": bert.__dict__.get("forward")}
+        setattr(bert, _STATE, state)
+        bert.forward = types.MethodType(_patched_forward, bert)
+    state["kernels"] = kernels
+    return model
+
+
+def unpatch(model):
+    """Restore HF's forward exactly as it was before ``patch``; returns ``model``."""
+    bert = _find_bert(model)
+    state = getattr(bert, _STATE, None)
+    if state is None:
+        return model
+    if state["had_own_forward"]:
+        bert.forward = state["forward"]
+    else:
+        del bert.forward
+    delattr(bert, _STATE)
+    return model
+
+
+def is_patched(model) -> bool:
+    return getattr(_find_bert(model), _STATE, None) is not None
+
+
+# ---------------------------------------------------------------------------------- checks
+def _bert_classes():
+    try:
+        from transformers.models.bert import modeling_bert
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("fastbert.patch needs HF transformers: pip install transformers") from e
+    return modeling_bert
+
+
+def _find_bert(model):
+    mb = _bert_classes()
+    if isinstance(model, mb.BertModel):
+        return model
+    bert = getattr(model, "bert", None)
+    if isinstance(model, mb.BertPreTrainedModel) and isinstance(bert, mb.BertModel):
+        return bert
+    raise UnsupportedModelError(
+        f"fastbert.patch takes a transformers BertModel or BertFor* model, got {type(model).__name__}; "
+        "other architectures (RoBERTa, DistilBERT...) are not supported")
+
+
+def _check_config(bert, kernels):
+    cfg = bert.config
+    name = type(bert).__name__
+    if getattr(cfg, "is_decoder", False) or getattr(cfg, "add_cross_attention", False):
+        raise UnsupportedModelError(
+            f"{name} is configured as a decoder (is_decoder / add_cross_attention): fastbert.patch runs "
+            "bidirectional encoders only; use the model unpatched")
+    pos = getattr(cfg, "position_embedding_type", "absolute")
+    if pos != "absolute":
+        raise UnsupportedModelError(
+            f"position_embedding_type={pos!r}: fastbert.patch supports absolute position embeddings only; "
+            "relative position embeddings need the unpatched model")
+    for i, layer in enumerate(bert.encoder.layer):
+        sa = layer.attention.self
+        if getattr(layer.attention, "is_cross_attention", False) or hasattr(layer, "crossattention"):
+            raise UnsupportedModelError(f"layer {i} has cross-attention: fastbert.patch runs encoders only")
+        if getattr(sa, "position_embedding_type", "absolute") != "absolute":
+            raise UnsupportedModelError(
+                f"layer {i} uses {sa.position_embedding_type!r} position embeddings: only 'absolute' is supported")
+        if kernels == "triton" and sa.attention_head_size > 128:
+            raise UnsupportedModelError(
+                f"head_dim {sa.attention_head_size} > 128 is beyond the Triton attention kernel; "
+                "use patch(model, kernels='torch')")
+
+
+def _check_call(attention_mask, kwargs):
+    for key in ("head_mask", "encoder_hidden_states", "encoder_attention_mask", "past_key_values", "cache"):
+        if kwargs.get(key) is not None:
+            raise UnsupportedModelError(
+                f"{key} is not supported by a fastbert-patched BERT; call fastbert.unpatch(model) to use it")
+    if kwargs.get("use_cache"):
+        raise UnsupportedModelError("use_cache=True needs a decoder; a fastbert-patched BERT is an encoder")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise UnsupportedModelError(
+            f"attention_mask must be a (batch, seq) 0/1 mask, got shape {tuple(attention_mask.shape)}; "
+            "custom 3-D/4-D masks need the unpatched model")
+
+
+# ---------------------------------------------------------------------------------- forward
+def _new_seed() -> int:
+    """A dropout seed from torch's CPU generator: torch.manual_seed makes runs repeatable."""
+    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
+def _p(dropout: torch.nn.Module) -> float:
+    return dropout.p if dropout.training else 0.0
+
+
+def _embed(emb, ops, info: Unpadded, input_ids, token_type_ids, position_ids, inputs_embeds):
+    """``(tokens, hidden)`` embeddings of the real tokens only."""
+    if inputs_embeds is not None:  # user-supplied vectors: HF's module on the padded batch, then unpad
+        out = emb(input_ids=None, token_type_ids=token_type_ids, position_ids=position_ids,
+                  inputs_embeds=inputs_embeds)
+        return unpad(out, info)
+    batch, seq = input_ids.shape
+    if position_ids is None:
+        position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
+    elif position_ids.shape != input_ids.shape:
+        position_ids = position_ids.expand(batch, seq)
+    if token_type_ids is None:
+        token_type_ids = torch.zeros_like(input_ids)
+    flat = lambda t: t.reshape(-1).index_select(0, info.indices)  # noqa: E731  (B, S) -> (tokens,)
+    p = _p(emb.dropout)
+    return ops.embeddings(
+        flat(input_ids), flat(position_ids), flat(token_type_ids), emb.word_embeddings.weight,
+        emb.position_embeddings.weight, emb.token_type_embeddings.weight, emb.LayerNorm.weight,
+        emb.LayerNorm.bias, emb.LayerNorm.eps, dropout_p=p, seed=_new_seed() if p > 0 else None,
+        padding_idx=emb.word_embeddings.padding_idx)
+
+
+def _cat_or_none(*tensors):
+    return None if any(t is None for t in tensors) else torch.cat(tensors)
+
+
+def _layer(layer, ops, x, cu_seqlens, max_seqlen, hidden_act, output_attentions):
+    """One HF ``BertLayer`` (Post-LN) on ``(tokens, hidden)``; returns the new x and the maps or None."""
+    sa, so = layer.attention.self, layer.attention.output
+    tokens = x.shape[0]
+    nh, hd = sa.num_attention_heads, sa.attention_head_size
+    # One GEMM for Q, K and V; the concatenated weight is rebuilt per call so HF's parameters stay
+    # the leaves the optimizer sees.
+    w_qkv = torch.cat((sa.query.weight, sa.key.weight, sa.value.weight))  # (3 * nh * hd, hidden)
+    b_qkv = _cat_or_none(sa.query.bias, sa.key.bias, sa.value.bias)
+    qkv = F.linear(x, w_qkv, b_qkv).view(tokens, 3, nh, hd)                # (T, 3, nh, hd)
+    q, k, v = qkv.unbind(dim=1)                                            # (T, nh, hd) each views
+    p_attn = _p(sa.dropout)
+    scale = getattr(sa, "scaling", None) or 1.0 / math.sqrt(hd)
+    ctx = ops.attention(q, k, v, cu_seqlens, max_seqlen, dropout_p=p_attn, softmax_scale=scale,
+                        seed=_new_seed() if p_attn > 0 else None)         # (T, nh, hd)
+    probs = attention_probs_ref(q, k, cu_seqlens, max_seqlen, scale) if output_attentions else None
+    h = F.linear(ctx.reshape(tokens, nh * hd), so.dense.weight)            # bias goes into the LN op
+    p = _p(so.dropout)
+    x = ops.dropout_add_layer_norm(h, x, so.LayerNorm.weight, so.LayerNorm.bias, so.LayerNorm.eps,
+                                   x_bias=so.dense.bias, dropout_p=p, seed=_new_seed() if p > 0 else None)
+
+    inter, out = layer.intermediate, layer.output
+    approx = _GELU.get(hidden_act) if isinstance(hidden_act, str) else None
+    if approx is not None and inter.dense.bias is not None:
+        h = ops.linear_bias_gelu(x, inter.dense.weight, inter.dense.bias, approximate=approx)
+    else:  # any other activation: HF's own function after a plain GEMM
+        h = inter.intermediate_act_fn(F.linear(x, inter.dense.weight, inter.dense.bias))
+    h = F.linear(h, out.dense.weight)
+    p = _p(out.dropout)
+    x = ops.dropout_add_layer_norm(h, x, out.LayerNorm.weight, out.LayerNorm.bias, out.LayerNorm.eps,
+                                   x_bias=out.dense.bias, dropout_p=p, seed=_new_seed() if p > 0 else None)
+    return x, probs
+
+
+def _run_layer(layer, ops, x, cu_seqlens, max_seqlen, hidden_act, output_attentions):
+    if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
+        # Recompute in backward; checkpoint restores the RNG state, so the dropout seeds drawn
+        # inside the layer are drawn again identically.
+        fn = getattr(layer, "_gradient_checkpointing_func", None)
+        run = lambda t: _layer(layer, ops, t, cu_seqlens, max_seqlen, hidden_act, output_attentions)  # noqa: E731
+        if fn is None:
+            return torch.utils.checkpoint.checkpoint(run, x, use_reentrant=False)
+        return fn(run, x)
+    return _layer(layer, ops, x, cu_seqlens, max_seqlen, hidden_act, output_attentions)
+
+
+def _padded_maps(probs, info: Unpadded):
+    """``(B, nh, maxlen, maxlen)`` -> ``(B, nh, S, S)`` as HF returns them."""
+    extra = info.seqlen - info.max_seqlen
+    return F.pad(probs, (0, extra, 0, extra))
+
+
+def _patched_forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                     inputs_embeds=None, output_attentions=None, output_hidden_states=None, return_dict=None,
+                     **kwargs):
+    """The patched ``BertModel.forward``: HF's arguments and outputs, an unpadded encoder inside."""
+    from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
+
+    _check_call(attention_mask, kwargs)
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+    cfg = self.config
+    output_attentions = bool(cfg.output_attentions if output_attentions is None else output_attentions)
+    if output_hidden_states is None:
+        output_hidden_states = cfg.output_hidden_states
+    # True, or (transformers >= 5.2x) an index / list of indices of the hidden states to keep.
+    want_hidden = output_hidden_states is not None and output_hidden_states is not False
+    if return_dict is None:
+        return_dict = getattr(cfg, "use_return_dict", getattr(cfg, "return_dict", True))
+    ref = input_ids if input_ids is not None else inputs_embeds
+    batch, seq = ref.shape[:2]
+    if attention_mask is None:
+        attention_mask = torch.ones((batch, seq), dtype=torch.long, device=ref.device)
+
+    kernels = getattr(self, _STATE)["kernels"] or ("triton" if ref.is_cuda else "torch")
+    ops = get_ops(kernels)
+    info = unpad_mask(attention_mask)
+    x = _embed(self.embeddings, ops, info, input_ids, token_type_ids, position_ids, inputs_embeds)  # (T, H)
+
+    hidden, maps = [x] if want_hidden else None, [] if output_attentions else None
+    for layer in self.encoder.layer:
+        x, probs = _run_layer(layer, ops, x, info.cu_seqlens, info.max_seqlen, cfg.hidden_act, output_attentions)
+        if hidden is not None:
+            hidden.append(x)
+        if maps is not None:
+            maps.append(_padded_maps(probs, info))
+
+    sequence_output = pad(x, info)  # (B, S, H), zeros at padding
+    pooled = self.pooler(sequence_output) if self.pooler is not None else None
+    all_hidden = None
+    if hidden is not None:
+        all_hidden = [pad(h, info) for h in hidden[:-1]] + [sequence_output]
+        if not isinstance(output_hidden_states, bool):
+            chosen = [output_hidden_states] if isinstance(output_hidden_states, int) else list(output_hidden_states)
+            chosen = {i % len(all_hidden) for i in chosen}
+            all_hidden = [h if i in chosen else None for i, h in enumerate(all_hidden)]
+        all_hidden = tuple(all_hidden)
+    out = BaseModelOutputWithPoolingAndCrossAttentions(
+        last_hidden_state=sequence_output, pooler_output=pooled, hidden_states=all_hidden,
+        attentions=tuple(maps) if maps is not None else None)
+    return out if return_dict else out.to_tuple()
