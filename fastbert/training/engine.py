@@ -1,0 +1,324 @@
+"""The one training path: process-group set-up and ``deepspeed.initialize``, shared by pretraining
+and fine-tuning.
+
+    from fastbert.training.engine import build_engine
+    engine = build_engine(model, "configs/ds_zero2.json", optimizer={"type": "adamw", "lr": 1e-4},
+                          micro_batch_size=32, global_batch_size=256, precision="bf16")
+    for batch in batches:                      # one micro-batch per iteration on this rank
+        if engine.at_step_start():
+            engine.set_lr(schedule.lr(engine.global_steps))
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()                          # applies the update every grad_accum micro-batches
+
+Works the same from one CPU process (gloo; DeepSpeed's CPU accelerator is selected automatically when
+there is no CUDA) to many nodes (NCCL; launched by ``deepspeed``/``torchrun``, which set RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). ZeRO stage, offload and precision come from the
+DeepSpeed JSON; batch sizes, precision, clipping and the optimizer are filled in here so a config file
+never disagrees with the run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from fastbert.training.optim import (OptimizerSpec, build_client_optimizer, ds_optimizer_entry,
+                                     param_groups)
+
+PRECISIONS = ("fp32", "bf16", "fp16", "auto")
+
+
+class EngineConfigError(ValueError):
+    """A training set-up that cannot work; the message names the setting and the fix."""
+
+
+# ---------------------------------------------------------------------------------------- distributed
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_s: float = 1800.0) -> DistInfo:
+    """Initialise (once) the default process group through DeepSpeed and pick this rank's device.
+
+    Without a launcher (plain ``fastbert pretrain``) this is a world of one on 127.0.0.1.
+    """
+    has_cuda = torch.cuda.is_available()
+    if not has_cuda:
+        # DeepSpeed picks its accelerator at import time; without CUDA it must be told "cpu".
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    import deepspeed
+    import torch.distributed as dist
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if has_cuda:
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if has_cuda else "gloo",
+                                   timeout=timedelta(seconds=timeout_s), verbose=False)
+    world = dist.get_world_size()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
+    device = torch.device("cuda", local_rank) if has_cuda else torch.device("cpu")
+    return DistInfo(dist.get_rank(), world, local_rank, local_world, device)
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(values: list[float], device) -> list[float]:
+    """Sum a few floats over all ranks (float64; one collective)."""
+    import torch.distributed as dist
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+# ---------------------------------------------------------------------------------------- DS config
+def resolve_precision(precision: str, device: torch.device) -> str:
+    if precision not in PRECISIONS:
+        raise EngineConfigError(f"precision {precision!r} is not known; use one of {PRECISIONS}")
+    if precision == "auto":
+        if device.type == "cuda":
+            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return "fp32"
+    if precision in ("bf16", "fp16") and device.type != "cuda":
+        raise EngineConfigError(f"precision={precision} needs a CUDA device; on the CPU use precision=fp32 "
+                                "(or 'auto')")
+    return precision
+
+
+def load_ds_config(ds_config: Union[str, os.PathLike, dict, None]) -> dict:
+    if ds_config is None:
+        return {}
+    if isinstance(ds_config, dict):
+        return json.loads(json.dumps(ds_config))  # deep copy
+    path = Path(ds_config)
+    if not path.is_file():
+        raise EngineConfigError(f"DeepSpeed config not found: {path}; pass one of configs/ds_zero*.json")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise EngineConfigError(f"DeepSpeed config {path} is not valid JSON: {e}") from None
+
+
+def build_ds_config(base, *, micro_batch_size: int, global_batch_size: int, world_size: int,
+                    precision: str, gradient_clipping: float, optimizer: OptimizerSpec,
+                    device: torch.device, zero_stage: Optional[int] = None,
+                    client_optimizer: bool = False) -> dict:
+    """The full DeepSpeed config for this run: ``base`` (ZeRO, offload, ...) plus the values fastbert
+    owns (batch sizes, precision, clipping, optimizer). Conflicting entries in ``base`` are errors."""
+    cfg = load_ds_config(base)
+    for key in ("scheduler",):
+        if key in cfg:
+            raise EngineConfigError(f"the DeepSpeed config has a '{key}' section; fastbert schedules the "
+                                    "learning rate itself (train.schedule / train.time_budget): remove it")
+    if "optimizer" in cfg and not _all_auto(cfg["optimizer"].get("params", {})):
+        raise EngineConfigError("the DeepSpeed config has an 'optimizer' section; set the optimizer in the "
+                                "fastbert config (train.optimizer) instead and remove it")
+    cfg.pop("optimizer", None)
+    if micro_batch_size <= 0 or global_batch_size <= 0:
+        raise EngineConfigError("micro_batch_size and global_batch_size must be positive")
+    per_step = micro_batch_size * world_size
+    if global_batch_size % per_step:
+        raise EngineConfigError(
+            f"global batch {global_batch_size} is not a multiple of micro batch {micro_batch_size} x "
+            f"{world_size} ranks = {per_step}; pick a global batch divisible by {per_step}")
+    cfg["train_micro_batch_size_per_gpu"] = micro_batch_size
+    cfg["gradient_accumulation_steps"] = global_batch_size // per_step
+    cfg["train_batch_size"] = global_batch_size
+    cfg["gradient_clipping"] = float(gradient_clipping)
+    cfg.setdefault("steps_per_print", 2 ** 31 - 1)
+    cfg.setdefault("wall_clock_breakdown", False)
+    precision = resolve_precision(precision, device)
+    fp16 = dict(cfg.get("fp16", {}))
+    bf16 = dict(cfg.get("bf16", {}))
+    fp16["enabled"] = precision == "fp16"
+    bf16["enabled"] = precision == "bf16"
+    if precision == "fp16":
+        fp16.setdefault("loss_scale", 0)          # 0 = dynamic loss scaling
+        fp16.setdefault("initial_scale_power", 16)
+        fp16.setdefault("loss_scale_window", 1000)
+        fp16.setdefault("hysteresis", 2)
+        fp16.setdefault("min_loss_scale", 1)
+    cfg["fp16"], cfg["bf16"] = fp16, bf16
+    zero = dict(cfg.get("zero_optimization", {}))
+    if zero_stage is not None:
+        zero["stage"] = int(zero_stage)
+    zero.setdefault("stage", 0)
+    if zero["stage"] not in (0, 1, 2, 3):
+        raise EngineConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {zero['stage']}")
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
+    if offload and device.type != "cuda":
+        raise EngineConfigError("ZeRO CPU offload needs CUDA devices; on the CPU the optimizer already "
+                                "runs on the CPU: remove offload_optimizer")
+    if optimizer.type == "lamb" and zero["stage"] >= 1:
+        raise EngineConfigError(
+            "LAMB computes a trust ratio per parameter tensor, but ZeRO stage >= 1 gives the optimizer "
+            "flat partitions that cut across tensors; use optimizer adamw with ZeRO, or zero stage 0 with lamb")
+    cfg["zero_optimization"] = zero
+    if not client_optimizer:
+        cfg["optimizer"] = ds_optimizer_entry(optimizer)
+    return cfg
+
+
+def _all_auto(params: dict) -> bool:
+    return all(v == "auto" for v in params.values())
+
+
+# ---------------------------------------------------------------------------------------- engine
+class TrainEngine:
+    """A DeepSpeed engine plus what a training loop needs around it (rank info, LR setting, counters)."""
+
+    def __init__(self, ds_engine, dist: DistInfo, ds_config: dict, optimizer: OptimizerSpec, precision: str):
+        self.ds = ds_engine
+        self.dist = dist
+        self.ds_config = ds_config
+        self.optimizer_spec = optimizer
+        self.precision = precision
+        self._micro = 0
+
+    # -- forwarding ---------------------------------------------------------------------------
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.ds.module
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist.device
+
+    @property
+    def grad_accum(self) -> int:
+        return int(self.ds_config["gradient_accumulation_steps"])
+
+    @property
+    def micro_batch_size(self) -> int:
+        return int(self.ds_config["train_micro_batch_size_per_gpu"])
+
+    @property
+    def global_batch_size(self) -> int:
+        return int(self.ds_config["train_batch_size"])
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.ds_config["zero_optimization"]["stage"])
+
+    @property
+    def global_steps(self) -> int:
+        """Optimizer steps taken (including fp16 steps skipped for overflow)."""
+        return int(self.ds.global_steps)
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(getattr(self.ds, "skipped_steps", 0))
+
+    @property
+    def loss_scale(self) -> Optional[float]:
+        if self.precision != "fp16":
+            return None
+        opt = self.ds.optimizer
+        scale = getattr(opt, "cur_scale", None) or getattr(getattr(opt, "loss_scaler", None), "cur_scale", None)
+        return float(scale) if scale is not None else None
+
+    def grad_norm(self) -> Optional[float]:
+        """Global gradient norm of the last optimizer step (before clipping), if DeepSpeed kept it."""
+        norm = self.ds.get_global_grad_norm()
+        if norm is None:
+            return None
+        return float(norm.item() if torch.is_tensor(norm) else norm)
+
+    def __call__(self, *args, **kwargs):
+        return self.ds(*args, **kwargs)
+
+    def train(self, mode: bool = True):
+        self.ds.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    # -- the step -----------------------------------------------------------------------------
+    def at_step_start(self) -> bool:
+        """True before the first micro-batch of an optimizer step (the place to set the LR)."""
+        return self._micro == 0
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.ds.optimizer.param_groups:
+            group["lr"] = lr
+
+    def get_lr(self) -> float:
+        return float(self.ds.optimizer.param_groups[0]["lr"])
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.ds.backward(loss)
+
+    def step(self) -> bool:
+        """Call after every micro-batch's backward; returns True when an optimizer step happened."""
+        boundary = self.ds.is_gradient_accumulation_boundary()
+        self.ds.step()
+        self._micro = 0 if boundary else self._micro + 1
+        return boundary
+
+    def step_was_applied(self) -> bool:
+        """False when the last optimizer step was skipped (fp16 overflow)."""
+        return bool(self.ds.was_step_applied())
+
+
+def build_engine(model: torch.nn.Module, ds_config=None, *, optimizer: Union[dict, OptimizerSpec, None] = None,
+                 micro_batch_size: int = 8, global_batch_size: Optional[int] = None,
+                 precision: str = "auto", gradient_clipping: float = 1.0,
+                 zero_stage: Optional[int] = None, dist: Optional[DistInfo] = None) -> TrainEngine:
+    """Wrap ``model`` in DeepSpeed (the single training path). ``ds_config``: a path or dict with the
+    ZeRO / offload settings (configs/ds_zero{1,2,3}.json); ``global_batch_size`` defaults to
+    ``micro_batch_size x world_size`` (no accumulation)."""
+    dist = dist or init_distributed()
+    import deepspeed
+
+    spec = optimizer if isinstance(optimizer, OptimizerSpec) else OptimizerSpec.from_dict(optimizer or {})
+    global_batch_size = global_batch_size or micro_batch_size * dist.world_size
+    resolved = resolve_precision(precision, dist.device)
+    model = model.to(dist.device)
+    groups = param_groups(model, spec.weight_decay)
+    client = build_client_optimizer(spec, groups, dist.device.type)
+    cfg = build_ds_config(ds_config, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
+                          world_size=dist.world_size, precision=resolved, gradient_clipping=gradient_clipping,
+                          optimizer=spec, device=dist.device, zero_stage=zero_stage,
+                          client_optimizer=client is not None)
+    if client is not None and not isinstance(client, (torch.optim.AdamW, torch.optim.Adam)):
+        cfg["zero_allow_untested_optimizer"] = True
+    ds_engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client,
+                                              model_parameters=groups if client is None else None,
+                                              config=cfg, dist_init_required=False)
+    return TrainEngine(ds_engine, dist, cfg, spec, resolved)

@@ -1,0 +1,133 @@
+"""Optimizers: which implementation runs where, weight-decay groups, and a plain-PyTorch LAMB.
+
+Choice (``OptimizerSpec.type`` = ``"adamw"`` or ``"lamb"``):
+
+* CUDA, no offload: DeepSpeed's fused kernels through the DeepSpeed config (``FusedAdam`` in AdamW
+  mode; ``FusedLamb``), or apex's ``FusedLAMB`` when apex is importable and LAMB is asked for.
+* CUDA with ZeRO CPU offload: DeepSpeed builds ``DeepSpeedCPUAdam`` from the same config entry.
+* CPU: ``torch.optim.AdamW`` (foreach) or ``TorchLamb`` below.
+
+LAMB's trust ratio is per parameter TENSOR; ZeRO stages >= 1 hand the optimizer flat partitions that
+cut across tensors, so LAMB there would silently compute the wrong ratio: refused with a clear error.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+NO_DECAY_MARKERS = ("bias", "LayerNorm", "layer_norm", "layernorm", "norm.weight", "ln_")
+
+
+@dataclass
+class OptimizerSpec:
+    type: str = "adamw"
+    lr: float = 1e-4
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-6
+    weight_decay: float = 0.01
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.type = self.type.lower()
+        if self.type not in ("adamw", "adam", "lamb"):
+            raise ValueError(f"optimizer type {self.type!r} is not supported; use 'adamw' or 'lamb'")
+        self.betas = tuple(float(b) for b in self.betas)
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"optimizer betas must be two numbers in [0, 1), got {self.betas}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "OptimizerSpec":
+        d = dict(d)
+        known = {"type", "lr", "betas", "eps", "weight_decay"}
+        return cls(**{k: d.pop(k) for k in list(d) if k in known}, extra=d)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Two groups: weights with decay; biases and LayerNorm parameters without (BERT's recipe)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or any(m in name for m in NO_DECAY_MARKERS) else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def ds_optimizer_entry(spec: OptimizerSpec) -> dict:
+    """The ``optimizer`` entry of a DeepSpeed config (DeepSpeed picks the fused/CPU implementation)."""
+    params = {"lr": spec.lr, "betas": list(spec.betas), "eps": spec.eps, "weight_decay": spec.weight_decay}
+    if spec.type in ("adamw", "adam"):
+        params["adam_w_mode"] = spec.type == "adamw"
+        params.update(spec.extra)
+        return {"type": "Adam", "params": params}
+    params.update(spec.extra)
+    return {"type": "Lamb", "params": params}
+
+
+def apex_lamb_available() -> bool:
+    try:
+        from apex.optimizers import FusedLAMB  # noqa: F401
+        return True
+    except Exception:  # apex import can fail with more than ImportError when built for another torch
+        return False
+
+
+def build_client_optimizer(spec: OptimizerSpec, groups: list[dict], device_type: str):
+    """A torch-side optimizer instance (CPU path, or apex LAMB on CUDA); None = let DeepSpeed build it."""
+    if device_type == "cuda":
+        if spec.type == "lamb" and apex_lamb_available():
+            from apex.optimizers import FusedLAMB
+            return FusedLAMB(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
+        return None
+    if spec.type in ("adamw", "adam"):
+        cls = torch.optim.AdamW if spec.type == "adamw" else torch.optim.Adam
+        return cls(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay,
+                   foreach=True)
+    return TorchLamb(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
+
+
+class TorchLamb(torch.optim.Optimizer):
+    """LAMB (You et al. 2020, Algorithm 2) in plain PyTorch: Adam direction with decoupled weight
+    decay, scaled per tensor by the trust ratio ``||w|| / ||update||`` (1 where either norm is 0).
+    Bias correction as in NVIDIA's / DeepSpeed's implementations."""
+
+    def __init__(self, params: Iterable, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
+                 max_trust_ratio: float = 10.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      max_trust_ratio=max_trust_ratio))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad.float()
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                state["step"] += 1
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.mul_(b1).add_(g, alpha=1 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                m_hat = m / (1 - b1 ** state["step"])
+                v_hat = v / (1 - b2 ** state["step"])
+                update = m_hat / (v_hat.sqrt() + group["eps"])
+                w = p.float()
+                if group["weight_decay"]:
+                    update = update + group["weight_decay"] * w
+                w_norm, u_norm = w.norm(), update.norm()
+                trust = torch.where((w_norm > 0) & (u_norm > 0),
+                                    (w_norm / u_norm).clamp(max=group["max_trust_ratio"]),
+                                    torch.ones_like(w_norm))
+                p.add_((update * trust * -group["lr"]).to(p.dtype))
+        return loss
