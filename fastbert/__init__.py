@@ -16,8 +16,11 @@ from fastbert.heads import (
     BertForSequenceClassification,
     BertForTokenClassification,
 )
+from fastbert.patch import patch, unpatch
 
 __all__ = [
+    "patch",
+    "unpatch",
     "__version__",
     "BertConfig",
     "BertModel",
