@@ -1,0 +1,254 @@
+"""Triton varlen attention vs the padded PyTorch reference: forward, dq/dk/dv, dropout, custom ops.
+
+Tolerances follow flash-attention's tests: the kernel's max error against an fp32 reference must be
+at most twice the error of PyTorch's own computation in the same dtype, plus a small atol. In fp32
+PyTorch's error is 0 by construction, so atol carries it: the kernel sums in another order (online
+softmax over key blocks), which moves results by a few ulps of the O(1) values, ~1e-6.
+On CPU the kernels run in the Triton interpreter (fp32 / fp16 only); bf16 runs on GPU.
+"""
+import math
+
+import pytest
+import torch
+
+from fastbert.ops.attention import varlen_attention, varlen_attention_ref
+
+ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cu_seqlens_of(lengths, device=DEVICE):
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    return cu.to(device)
+
+
+def packed_qkv(lengths, heads, head_dim, dtype, device=DEVICE, seed=0):
+    """Leaf ``(T, 3, nh, hd)`` tensor; q, k, v are its (non-contiguous) views, as in the model."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(sum(lengths), 3, heads, head_dim, generator=g)
+    return qkv.to(device=device, dtype=dtype).requires_grad_()
+
+
+def run(fn, qkv, cu, max_seqlen, dout, **kw):
+    q, k, v = qkv.unbind(1)  # (T, nh, hd) views
+    out = fn(q, k, v, cu, max_seqlen, **kw)
+    (grad,) = torch.autograd.grad(out, qkv, dout)
+    return out, grad
+
+
+def assert_close_to_reference(lengths, heads, head_dim, dtype, device=DEVICE, atol=None):
+    """Kernel (dtype) vs fp32 reference; PyTorch in ``dtype`` sets the error budget."""
+    cu, max_seqlen = cu_seqlens_of(lengths, device), max(lengths)
+    qkv = packed_qkv(lengths, heads, head_dim, dtype, device)
+    dout = torch.randn(sum(lengths), heads, head_dim, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+
+    out, grad = run(varlen_attention, qkv, cu, max_seqlen, dout)
+    qkv32 = qkv.detach().float().requires_grad_()
+    out32, grad32 = run(varlen_attention_ref, qkv32, cu, max_seqlen, dout.float())
+    out_t, grad_t = run(varlen_attention_ref, qkv.detach().clone().requires_grad_(), cu, max_seqlen, dout)
+
+    atol = ATOL[dtype] if atol is None else atol
+    assert torch.isfinite(out).all() and torch.isfinite(grad).all()
+    err = (out.float() - out32).abs().max().item()
+    err_t = (out_t.float() - out32).abs().max().item()
+    assert err <= 2 * err_t + atol, f"out: kernel err {err:.3g} vs torch {dtype} err {err_t:.3g}"
+    for i, name in enumerate("qkv"):
+        err = (grad[:, i].float() - grad32[:, i]).abs().max().item()
+        err_t = (grad_t[:, i].float() - grad32[:, i]).abs().max().item()
+        assert err <= 2 * err_t + atol, f"d{name}: kernel err {err:.3g} vs torch {dtype} err {err_t:.3g}"
+
+
+# ---------------------------------------------------------------------------------- CPU (interpreter)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_forward_and_gradients_match_reference(dtype):
+    g = torch.Generator().manual_seed(7)
+    lengths = [1, 23, 40, 7] + torch.randint(1, 65, (3,), generator=g).tolist()
+    assert_close_to_reference(lengths, heads=2, head_dim=32, dtype=dtype)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_head_dims(head_dim):
+    assert_close_to_reference([1, 19, 33], heads=1, head_dim=head_dim, dtype=torch.float32)
+
+
+def test_mixed_one_and_512_tokens():
+    assert_close_to_reference([1, 512, 1], heads=1, head_dim=32, dtype=torch.float32)
+
+
+def test_empty_sequences_and_length_one_never_nan():
+    lengths = [0, 1, 0, 5, 1, 0]
+    cu = cu_seqlens_of(lengths)
+    qkv = packed_qkv(lengths, 2, 32, torch.float32)
+    out, grad = run(varlen_attention, qkv, cu, 5, torch.ones(sum(lengths), 2, 32, device=DEVICE))
+    assert torch.isfinite(out).all() and torch.isfinite(grad).all()
+    # A one-token sequence attends to itself only: out = v, and q, k get no gradient.
+    q, k, v = qkv.detach().unbind(1)
+    for t in (0, 6):
+        torch.testing.assert_close(out[t], v[t], rtol=0, atol=1e-6)
+        assert grad[t, :2].abs().max() < 1e-5
+
+
+def test_softmax_scale_and_large_logits():
+    # Large scores (scale 10 on N(0,1) inputs) stress the running max / log-sum-exp.
+    lengths = [3, 30]
+    cu = cu_seqlens_of(lengths)
+    qkv = packed_qkv(lengths, 2, 32, torch.float32)
+    dout = torch.randn(33, 2, 32, device=DEVICE)
+    out, grad = run(varlen_attention, qkv, cu, 30, dout, softmax_scale=10.0)
+    out_r, grad_r = run(varlen_attention_ref, qkv, cu, 30, dout, softmax_scale=10.0)
+    torch.testing.assert_close(out, out_r, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(grad, grad_r, rtol=1e-4, atol=1e-3)
+
+
+def test_rejects_bad_inputs():
+    q = torch.randn(4, 2, 32, device=DEVICE)
+    with pytest.raises(TypeError, match="int32"):
+        varlen_attention(q, q, q, torch.tensor([0, 4], device=DEVICE), 4)
+    with pytest.raises(ValueError, match="dropout_p"):
+        varlen_attention(q, q, q, cu_seqlens_of([4]), 4, dropout_p=1.0)
+    with pytest.raises(ValueError, match="head_dim"):
+        big = torch.randn(4, 1, 256, device=DEVICE)
+        varlen_attention(big, big, big, cu_seqlens_of([4]), 4)
+
+
+# ---------------------------------------------------------------------------------- dropout
+def dropout_mask(lengths, heads, p, seed, dtype=torch.float32):
+    """The kernel's keep-mask, read back through the forward: with q = k = 0 the softmax is uniform
+    (1/L per key) and with v[t] = one-hot(position of t in its sequence) out[t, h, j] is
+    keep[t, h, j] / (L (1 - p)). Returns the mask (T, nh, maxlen) and the raw output."""
+    max_seqlen = max(lengths)
+    head_dim = max(32, max_seqlen)
+    cu = cu_seqlens_of(lengths)
+    total = sum(lengths)
+    starts = torch.repeat_interleave(cu[:-1].long().cpu(), torch.tensor(lengths))
+    pos = torch.arange(total) - starts
+    v = torch.zeros(total, heads, head_dim)
+    v[torch.arange(total), :, pos] = 1.0
+    zeros = torch.zeros(total, heads, head_dim, device=DEVICE, dtype=dtype)
+    out = varlen_attention(zeros, zeros, v.to(DEVICE, dtype), cu, max_seqlen, dropout_p=p, seed=seed)
+    return out[..., :max_seqlen] > 0, out
+
+
+def test_dropout_keep_fraction_and_scaling():
+    lengths, heads, p = [64, 64, 64, 33, 1], 2, 0.3
+    keep, out = dropout_mask(lengths, heads, p, seed=1234)
+    valid = torch.cat([torch.arange(max(lengths)) < n for n in lengths for _ in range(n)]).view(sum(lengths), 1, -1)
+    valid = valid.expand_as(keep).to(keep.device)
+    assert not keep[~valid].any(), "no probability mass may land on keys past the sequence end"
+    n = valid.sum().item()
+    frac = keep[valid].float().mean().item()
+    assert abs(frac - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n), f"keep fraction {frac:.4f}, expected {1 - p}"
+    # Kept entries carry 1 / (L (1 - p)): the inverted-dropout scale.
+    lens_t = torch.tensor([n for n in lengths for _ in range(n)], device=out.device, dtype=torch.float32)
+    expected = (1.0 / (lens_t * (1 - p))).view(-1, 1, 1).expand_as(keep)
+    torch.testing.assert_close(out[..., :max(lengths)][keep], expected[keep], rtol=1e-5, atol=0)
+    # Streams are independent: two heads, and two sequences of equal length, get different masks.
+    assert (keep[:, 0] != keep[:, 1]).float().mean() > 0.2
+    assert (keep[:64] != keep[64:128]).float().mean() > 0.2
+
+
+def test_dropout_same_seed_reproducible():
+    lengths = [40, 9, 1]
+    keep_a, out_a = dropout_mask(lengths, 2, 0.2, seed=7)
+    keep_b, out_b = dropout_mask(lengths, 2, 0.2, seed=7)
+    keep_c, _ = dropout_mask(lengths, 2, 0.2, seed=8)
+    assert torch.equal(out_a, out_b)
+    assert not torch.equal(keep_a, keep_c)
+    # seed=None draws from torch's CPU generator: torch.manual_seed makes it repeatable.
+    torch.manual_seed(3)
+    _, out_d = dropout_mask(lengths, 2, 0.2, seed=None)
+    torch.manual_seed(3)
+    _, out_e = dropout_mask(lengths, 2, 0.2, seed=None)
+    assert torch.equal(out_d, out_e)
+
+
+def masked_reference(qkv, cu, max_seqlen, keep, p, dout, scale):
+    """fp32 padded reference with an explicit keep-mask ``(T, nh, maxlen)`` (key index per query)."""
+    from fastbert.padding import pad, unpad, unpad_by_seqlens
+
+    q, k, v = qkv.unbind(1)
+    info = unpad_by_seqlens(q, cu, max_seqlen)
+    qp, kp, vp = (pad(t, info).transpose(1, 2) for t in (q, k, v))          # (B, nh, S, hd)
+    keep_p = pad(keep.float(), info).transpose(1, 2)                        # (B, nh, S, S)
+    key_ok = keep_p.new_zeros(info.batch * info.seqlen, dtype=torch.bool)
+    key_ok[info.indices] = True
+    scores = (qp @ kp.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~key_ok.view(info.batch, 1, 1, -1), float("-inf"))
+    probs = torch.softmax(scores, -1).nan_to_num(0.0) * keep_p / (1 - p)
+    out = unpad((probs @ vp).transpose(1, 2), info)                         # (T, nh, hd)
+    (grad,) = torch.autograd.grad(out, qkv, dout)
+    return out, grad
+
+
+def test_dropout_backward_consistent_with_mask():
+    lengths, heads, head_dim, p, seed = [1, 37, 64, 12], 2, 32, 0.25, 99
+    cu, max_seqlen = cu_seqlens_of(lengths), max(lengths)
+    keep, _ = dropout_mask(lengths, heads, p, seed)
+    qkv = packed_qkv(lengths, heads, head_dim, torch.float32)
+    dout = torch.randn(sum(lengths), heads, head_dim, device=DEVICE)
+    out, grad = run(varlen_attention, qkv, cu, max_seqlen, dout, dropout_p=p, seed=seed)
+    out_r, grad_r = masked_reference(qkv, cu, max_seqlen, keep, p, dout, 1 / math.sqrt(head_dim))
+    torch.testing.assert_close(out, out_r, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grad, grad_r, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------- torch.compile
+def test_custom_ops_pass_opcheck_and_compile():
+    import fastbert.ops.attention as attn
+
+    if attn._fwd_op is None:
+        pytest.skip("torch.library.custom_op unavailable (torch < 2.4): eager fallback only")
+    lengths = [1, 20, 7]
+    cu = cu_seqlens_of(lengths)
+    qkv = packed_qkv(lengths, 2, 32, torch.float32).detach()
+    q, k, v = qkv.unbind(1)
+    torch.library.opcheck(attn._fwd_op, (q, k, v, cu, 20, 0.0, 0.2, 0))
+    out, lse = attn.varlen_attention_forward(q, k, v, cu, 20, 0.0, 0.2, 0)
+    torch.library.opcheck(attn._bwd_op, (torch.randn_like(out), q, k, v, out, lse, cu, 20, 0.0, 0.2, 0))
+
+    def f(x):
+        return varlen_attention(*x.unbind(1), cu, 20, dropout_p=0.1, seed=5)
+
+    x = qkv.clone().requires_grad_()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    out_c = compiled(x)
+    (g_c,) = torch.autograd.grad(out_c.sum(), x)
+    out_e = f(x)
+    (g_e,) = torch.autograd.grad(out_e.sum(), x)
+    torch.testing.assert_close(out_c, out_e, rtol=0, atol=0)
+    torch.testing.assert_close(g_c, g_e, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [12, 16], ids=["bert-base", "bert-large"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_bert_shapes(heads, dtype):
+    g = torch.Generator().manual_seed(heads)
+    lengths = [1, 512, 128, 1] + torch.randint(1, 513, (12,), generator=g).tolist()
+    assert_close_to_reference(lengths, heads, 64, dtype, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [32, 128])
+def test_gpu_head_dims_bf16(head_dim):
+    assert_close_to_reference([1, 300, 77, 512], 4, head_dim, torch.bfloat16, device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_dropout_statistics_and_backward():
+    lengths, heads, p = [128] * 8 + [1, 77], 12, 0.1
+    keep, _ = dropout_mask(lengths, heads, p, seed=2024)
+    n = sum(x * x for x in lengths) * heads
+    valid_keep = sum(keep[s:s + x, :, :x].sum().item() for s, x in zip(torch.tensor([0] + lengths).cumsum(0).tolist(),
+                                                                    lengths))
+    frac = valid_keep / n
+    assert abs(frac - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n)
+    cu, max_seqlen = cu_seqlens_of(lengths), max(lengths)
+    qkv = packed_qkv(lengths, heads, 64, torch.float32)
+    dout = torch.randn(sum(lengths), heads, 64, device="cuda")
+    out, grad = run(varlen_attention, qkv, cu, max_seqlen, dout, dropout_p=p, seed=2024)
+    out_r, grad_r = masked_reference(qkv, cu, max_seqlen, keep, p, dout, 1 / 8)
+    torch.testing.assert_close(out, out_r, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(grad, grad_r, rtol=1e-4, atol=1e-4)
