@@ -1,0 +1,109 @@
+"""Plumbing shared by the fused Triton ops: custom-op registration, dropout seeds and masks,
+launch settings, input checks.
+
+Dropout everywhere uses Triton's counter-based Philox generator keyed by an integer ``seed`` and
+the flat element offset ``row * n_cols + col`` (int64), so the backward regenerates the forward's
+mask instead of storing it, and ``dropout_mask`` reproduces it on the host for tests.
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Triton reads TRITON_INTERPRET when a kernel is defined; tests/conftest.py sets it before import.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Widest row the row-wise kernels (LayerNorm, embeddings) hold in registers.
+MAX_FUSED_HIDDEN = 8192
+
+
+# ----------------------------------------------------------------------------- custom ops
+def register_op(name, schema, impl, fake):
+    """Register ``impl`` as ``torch.ops.fastbert.<name>`` with a fake (meta) kernel, so that
+    ``torch.compile`` treats it as one opaque node. On a torch without ``torch.library.custom_op``
+    (< 2.4) ``impl`` is returned unchanged and the ops still run eagerly."""
+    custom_op = getattr(torch.library, "custom_op", None)
+    if custom_op is None:  # pragma: no cover - torch < 2.4
+        return impl
+    try:
+        return getattr(torch.ops.fastbert, name)  # already registered (module reloaded)
+    except (AttributeError, RuntimeError):
+        pass
+    op = custom_op(f"fastbert::{name}", impl, mutates_args=(), schema=schema)
+    op.register_fake(fake)
+    return getattr(torch.ops.fastbert, name)
+
+
+def draw_seed() -> int:
+    """A dropout seed from torch's default CPU generator (so ``torch.manual_seed`` fixes it)."""
+    return int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).item())
+
+
+def resolve_seed(dropout_p: float, seed) -> int:
+    if dropout_p == 0.0:
+        return 0
+    return draw_seed() if seed is None else int(seed)
+
+
+# ----------------------------------------------------------------------------- checks
+def check_triton_device(*tensors):
+    """Triton kernels need CUDA tensors, or the interpreter (TRITON_INTERPRET=1) for CPU ones."""
+    for t in tensors:
+        if t is not None and not t.is_cuda and not INTERPRET:
+            raise RuntimeError(
+                f"fastbert Triton ops need CUDA tensors, got one on {t.device}; run on a GPU, set "
+                "TRITON_INTERPRET=1 (slow, for tests), or use kernels='torch'")
+
+
+def check_dropout_p(dropout_p: float):
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+
+
+def check_hidden(n: int, what: str):
+    if n > MAX_FUSED_HIDDEN:
+        raise ValueError(f"{what}: hidden size {n} exceeds the fused kernels' limit of {MAX_FUSED_HIDDEN}; "
+                         "use kernels='torch' for wider rows")
+
+
+# ----------------------------------------------------------------------------- launch settings
+def row_block(n_cols: int):
+    """(BLOCK_M, BLOCK_N, num_warps) for a kernel that keeps whole rows of ``n_cols`` in registers:
+    several short rows per program so each program moves ~4K elements (16-byte accesses, enough
+    loads in flight), one long row with more warps for wide hidden sizes."""
+    block_n = triton.next_power_of_2(n_cols)
+    block_m = max(1, min(4096 // block_n, 16))
+    num_warps = max(1, min(block_m * block_n // 512, 16))
+    return block_m, block_n, num_warps
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2  # interpreter: few programs run fastest
+
+
+# ----------------------------------------------------------------------------- dropout
+@triton.jit
+def dropout_keep(seed, rows, cols, n_cols, p):
+    """Keep-mask (True = kept) of shape (len(rows), len(cols)) for dropout probability ``p``."""
+    offsets = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+    return tl.rand(seed, offsets) >= p
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _dropout_mask_kernel(OUT, M, N, p, seed, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    keep = dropout_keep(seed, rows, cols, N, p)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    tl.store(OUT + rows.to(tl.int64)[:, None] * N + cols[None, :], keep.to(tl.int8), mask=mask)
+
+
+def dropout_mask(seed: int, n_rows: int, n_cols: int, dropout_p: float, device) -> torch.Tensor:
+    """The bool keep-mask ``(n_rows, n_cols)`` that the fused ops draw for ``seed`` and ``dropout_p``."""
+    out = torch.empty((n_rows, n_cols), dtype=torch.int8, device=device)
+    check_triton_device(out)
+    grid = (triton.cdiv(n_rows, 16), triton.cdiv(n_cols, 256))
+    _dropout_mask_kernel[grid](out, n_rows, n_cols, dropout_p, seed, BLOCK_M=16, BLOCK_N=256)
+    return out.bool()

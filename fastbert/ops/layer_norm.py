@@ -1,0 +1,289 @@
+"""Residual + bias + dropout + LayerNorm.
+
+``out = LayerNorm(residual + dropout(x + x_bias))`` with fp32 statistics; with ``prenorm=True``
+also returns the pre-norm sum (the residual stream of a Pre-LN block).
+
+This file holds the plain-PyTorch reference first, then the Triton kernels, host wrappers
+(``layer_norm_fwd`` / ``layer_norm_bwd``, registered as ``torch.ops.fastbert`` custom ops), the
+``autograd.Function`` and the functional entry point ``dropout_add_layer_norm``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def dropout_add_layer_norm_ref(x, residual, weight, bias, eps, x_bias=None, dropout_p=0.0,
+                               prenorm=False, seed=None, upcast=False):
+    """Reference. ``x``, ``residual``: ``(..., hidden)``; ``residual`` and ``x_bias`` may be None.
+
+    ``seed`` is accepted for signature parity with the fused op; the reference draws its dropout
+    mask from torch's generator. With ``upcast`` the computation runs in fp32.
+    """
+    dtype = x.dtype
+    if upcast:
+        x, weight = x.float(), weight.float()
+        bias = bias.float() if bias is not None else None
+        residual = residual.float() if residual is not None else None
+        x_bias = x_bias.float() if x_bias is not None else None
+    if x_bias is not None:
+        x = x + x_bias
+    if dropout_p > 0.0:
+        x = F.dropout(x, dropout_p, training=True)
+    s = x if residual is None else residual + x
+    out = F.layer_norm(s.float(), (s.shape[-1],), weight.float(), None if bias is None else bias.float(), eps)
+    out = out.to(dtype)
+    return (out, s.to(dtype)) if prenorm else out
+
+
+# ============================================================================= Triton kernels
+# Everything below is the fused path. The sum ``s = residual + dropout(x + x_bias)`` is formed in
+# fp32 and never rounded before the statistics; the backward recomputes it from the inputs (and
+# regenerates the dropout mask from the seed) instead of storing it, so the forward moves three
+# tensors (x, residual in; y out), the minimum.
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from fastbert.ops._common import (  # noqa: E402
+    check_dropout_p, check_hidden, check_triton_device, dropout_keep, num_sms, register_op, resolve_seed,
+    row_block)
+
+
+@triton.jit
+def _prenorm_sum(X, RES, XB, rows64, cols, mask, col_mask, N, stride_x, stride_res, p, scale, seed,
+                 HAS_RES: tl.constexpr, HAS_XB: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+    """s = residual + dropout(x + x_bias) in fp32 for a (BLOCK_M, BLOCK_N) tile; also the keep mask."""
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_XB:
+        x += tl.load(XB + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    keep = mask
+    if HAS_DROPOUT:
+        keep = dropout_keep(seed, rows64, cols, N, p)
+        x = tl.where(keep, x * scale, 0.0)
+    if HAS_RES:
+        x += tl.load(RES + rows64[:, None] * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return x, keep
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _ln_fwd_kernel(X, RES, XB, W, B, Y, S, MEAN, RSTD,
+                   M, N, stride_x, stride_res, stride_y, stride_s, eps, p, scale, seed,
+                   HAS_RES: tl.constexpr, HAS_XB: tl.constexpr, HAS_B: tl.constexpr,
+                   HAS_DROPOUT: tl.constexpr, STORE_SUM: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)
+    s, _ = _prenorm_sum(X, RES, XB, rows64, cols, mask, col_mask, N, stride_x, stride_res, p, scale, seed,
+                        HAS_RES, HAS_XB, HAS_DROPOUT)
+    if STORE_SUM:
+        tl.store(S + rows64[:, None] * stride_s + cols[None, :], s.to(S.dtype.element_ty), mask=mask)
+    mean = tl.sum(s, axis=1) / N
+    sc = tl.where(mask, s - mean[:, None], 0.0)
+    var = tl.sum(sc * sc, axis=1) / N
+    rstd = 1.0 / tl.sqrt(var + eps)
+    tl.store(MEAN + rows, mean, mask=row_mask)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    y = sc * rstd[:, None] * w[None, :]
+    if HAS_B:
+        y += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _ln_bwd_kernel(DY, DS, X, RES, XB, W, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, DXB_PART,
+                   M, N, rows_per_program, stride_dy, stride_ds, stride_x, stride_res, stride_dx, stride_dres,
+                   p, scale, seed,
+                   HAS_DS: tl.constexpr, HAS_RES: tl.constexpr, HAS_XB: tl.constexpr,
+                   HAS_DROPOUT: tl.constexpr, STORE_DRES: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Each program walks ``rows_per_program`` rows, BLOCK_M at a time, and writes its partial
+    column sums for dweight / dbias / dx_bias (summed on the host: deterministic, no atomics)."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    dxb_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    for r in range(row_start, row_end, BLOCK_M):
+        rows = r + tl.arange(0, BLOCK_M)
+        row_mask = rows < row_end
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)
+        s, keep = _prenorm_sum(X, RES, XB, rows64, cols, mask, col_mask, N, stride_x, stride_res, p, scale,
+                               seed, HAS_RES, HAS_XB, HAS_DROPOUT)
+        mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        xhat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        wdy = dy * w[None, :]
+        c1 = tl.sum(xhat * wdy, axis=1) / N
+        c2 = tl.sum(wdy, axis=1) / N
+        ds = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        if HAS_DS:
+            ds += tl.load(DS + rows64[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if STORE_DRES:
+            tl.store(DRES + rows64[:, None] * stride_dres + cols[None, :], ds.to(DRES.dtype.element_ty), mask=mask)
+        dx = ds
+        if HAS_DROPOUT:
+            dx = tl.where(keep, ds * scale, 0.0)
+        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        dw_acc += dy * xhat
+        db_acc += dy
+        if HAS_XB:
+            dxb_acc += dx
+    tl.store(DW_PART + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+    tl.store(DB_PART + pid * N + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+    if HAS_XB:
+        tl.store(DXB_PART + pid * N + cols, tl.sum(dxb_acc, axis=0), mask=col_mask)
+
+
+# ============================================================================= host wrappers
+def _rows(t, n):
+    """(..., n) -> (M, n) with unit column stride (a view when possible)."""
+    t = t.reshape(-1, n)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def layer_norm_fwd(x, residual, weight, bias, eps, x_bias, dropout_p, seed, store_sum):
+    """Returns ``(y, s, mean, rstd)``: y like x; s the pre-norm sum (x's dtype) when ``store_sum``
+    else an empty tensor; mean, rstd fp32 ``(M,)``."""
+    n = x.shape[-1]
+    x2 = _rows(x, n)
+    res2 = _rows(residual, n) if residual is not None else None
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    s = torch.empty((m, n) if store_sum else (0,), dtype=x.dtype, device=x.device)
+    mean = torch.empty((m,), dtype=torch.float32, device=x.device)
+    rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
+    if m > 0:
+        block_m, block_n, num_warps = row_block(n)
+        _ln_fwd_kernel[(triton.cdiv(m, block_m),)](
+            x2, res2, x_bias, weight, bias, y, s, mean, rstd,
+            m, n, x2.stride(0), res2.stride(0) if res2 is not None else 0, y.stride(0), n,
+            eps, dropout_p, 1.0 / (1.0 - dropout_p), seed,
+            HAS_RES=res2 is not None, HAS_XB=x_bias is not None, HAS_B=bias is not None,
+            HAS_DROPOUT=dropout_p > 0.0, STORE_SUM=store_sum,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    return y.view(x.shape), s.view(x.shape) if store_sum else s, mean, rstd
+
+
+def layer_norm_bwd(dy, ds, x, residual, weight, bias, x_bias, mean, rstd, dropout_p, seed):
+    """Returns ``(dx, dresidual, dweight, dbias, dx_bias)``. ``dresidual`` is empty when it equals
+    ``dx`` (no dropout, same dtype: the caller reuses dx); ``dbias`` / ``dx_bias`` are empty
+    when there is no such input."""
+    n = x.shape[-1]
+    x2 = _rows(x, n)
+    dy2 = _rows(dy, n)
+    ds2 = _rows(ds, n) if ds is not None else None
+    res2 = _rows(residual, n) if residual is not None else None
+    m = x2.shape[0]
+    dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    store_dres = residual is not None and (dropout_p > 0.0 or residual.dtype != x.dtype)
+    dres = torch.empty((m, n) if store_dres else (0,), dtype=residual.dtype if residual is not None else x.dtype,
+                       device=x.device)
+    block_m, block_n, num_warps = row_block(n)
+    block_m = max(1, block_m // 2)  # the backward holds more live tiles per row
+    programs = max(1, min(triton.cdiv(m, block_m), num_sms(x.device) * 2))
+    rows_per_program = triton.cdiv(max(m, 1), programs)
+    rows_per_program = triton.cdiv(rows_per_program, block_m) * block_m
+    programs = max(1, triton.cdiv(m, rows_per_program))
+    dw_part = torch.empty((programs, n), dtype=torch.float32, device=x.device)
+    db_part = torch.empty((programs, n), dtype=torch.float32, device=x.device)
+    dxb_part = torch.empty((programs, n) if x_bias is not None else (0,), dtype=torch.float32, device=x.device)
+    if m > 0:
+        _ln_bwd_kernel[(programs,)](
+            dy2, ds2, x2, res2, x_bias, weight, mean, rstd, dx, dres, dw_part, db_part, dxb_part,
+            m, n, rows_per_program, dy2.stride(0), ds2.stride(0) if ds2 is not None else 0, x2.stride(0),
+            res2.stride(0) if res2 is not None else 0, n, n,
+            dropout_p, 1.0 / (1.0 - dropout_p), seed,
+            HAS_DS=ds2 is not None, HAS_RES=res2 is not None, HAS_XB=x_bias is not None,
+            HAS_DROPOUT=dropout_p > 0.0, STORE_DRES=store_dres,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    else:
+        dw_part.zero_(), db_part.zero_(), dxb_part.zero_()
+    dw = dw_part.sum(0).to(weight.dtype)
+    db = db_part.sum(0).to(bias.dtype) if bias is not None else torch.empty((0,), dtype=weight.dtype, device=x.device)
+    dxb = dxb_part.sum(0).to(x_bias.dtype) if x_bias is not None else torch.empty((0,), dtype=x.dtype, device=x.device)
+    return dx.view(x.shape), dres.view(x.shape) if store_dres else dres, dw, db, dxb
+
+
+# ----------------------------------------------------------------------------- custom ops
+def _fwd_fake(x, residual, weight, bias, eps, x_bias, dropout_p, seed, store_sum):
+    m = x.numel() // x.shape[-1] if x.dim() else 1
+    s = torch.empty_like(x) if store_sum else x.new_empty((0,))
+    stats = x.new_empty((m,), dtype=torch.float32)
+    return torch.empty_like(x), s, stats, stats.clone()
+
+
+def _bwd_fake(dy, ds, x, residual, weight, bias, x_bias, mean, rstd, dropout_p, seed):
+    store_dres = residual is not None and (dropout_p > 0.0 or residual.dtype != x.dtype)
+    dres = torch.empty_like(residual) if store_dres else x.new_empty((0,))
+    db = torch.empty_like(bias) if bias is not None else weight.new_empty((0,))
+    dxb = torch.empty_like(x_bias) if x_bias is not None else x.new_empty((0,))
+    return torch.empty_like(x), dres, torch.empty_like(weight), db, dxb
+
+
+_fwd_op = register_op(
+    "dropout_add_layer_norm_fwd",
+    "(Tensor x, Tensor? residual, Tensor weight, Tensor? bias, float eps, Tensor? x_bias, float dropout_p, "
+    "int seed, bool store_sum) -> (Tensor, Tensor, Tensor, Tensor)",
+    layer_norm_fwd, _fwd_fake)
+_bwd_op = register_op(
+    "dropout_add_layer_norm_bwd",
+    "(Tensor dy, Tensor? ds, Tensor x, Tensor? residual, Tensor weight, Tensor? bias, Tensor? x_bias, "
+    "Tensor mean, Tensor rstd, float dropout_p, int seed) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    layer_norm_bwd, _bwd_fake)
+
+
+# ============================================================================= autograd + entry point
+class DropoutAddLayerNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps, x_bias, dropout_p, prenorm, seed):
+        ctx.set_materialize_grads(False)  # an unused pre-norm output costs no zeros tensor
+        y, s, mean, rstd = _fwd_op(x, residual, weight, bias, eps, x_bias, dropout_p, seed, prenorm)
+        ctx.save_for_backward(x, residual, weight, bias, x_bias, mean, rstd)
+        ctx.dropout_p, ctx.seed, ctx.prenorm = dropout_p, seed, prenorm
+        if prenorm:
+            return y, s
+        return y
+
+    @staticmethod
+    def backward(ctx, dy, *rest):
+        x, residual, weight, bias, x_bias, mean, rstd = ctx.saved_tensors
+        ds = rest[0] if ctx.prenorm else None
+        if dy is None:
+            dy = torch.zeros_like(x)
+        dx, dres, dw, db, dxb = _bwd_op(dy.contiguous(), None if ds is None else ds.contiguous(), x, residual,
+                                        weight, bias, x_bias, mean, rstd, ctx.dropout_p, ctx.seed)
+        if residual is None:
+            dres = None
+        elif dres.numel() == 0 and residual.numel() > 0:
+            dres = dx  # no dropout: d(residual) == d(x)
+        return (dx, dres, dw, db if bias is not None else None, None,
+                dxb if x_bias is not None else None, None, None, None)
+
+
+def dropout_add_layer_norm(x, residual, weight, bias, eps, x_bias=None, dropout_p=0.0, prenorm=False, seed=None):
+    """Fused ``LayerNorm(residual + dropout(x + x_bias))``; same signature and semantics as
+    :func:`dropout_add_layer_norm_ref` except that dropout draws a Philox mask from ``seed``
+    (an int; ``None`` draws one from torch's CPU generator). ``p == 0`` is exactly no dropout."""
+    n = x.shape[-1]
+    check_hidden(n, "dropout_add_layer_norm")
+    check_dropout_p(dropout_p)
+    check_triton_device(x, residual, weight, bias, x_bias)
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"dropout_add_layer_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    for name, t in (("weight", weight), ("bias", bias), ("x_bias", x_bias)):
+        if t is not None and t.shape != (n,):
+            raise ValueError(f"dropout_add_layer_norm: {name} must have shape ({n},), got {tuple(t.shape)}")
+    seed = resolve_seed(dropout_p, seed)
+    return DropoutAddLayerNormFn.apply(x, residual, weight, bias, float(eps), x_bias, float(dropout_p),
+                                       bool(prenorm), seed)

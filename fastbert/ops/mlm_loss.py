@@ -1,0 +1,265 @@
+"""Sparse MLM loss: predict only the masked positions, never holding (tokens x vocab) logits in full.
+
+``hidden``: ``(tokens, hidden)``; ``labels``: ``(tokens,)`` with ``ignore_index`` (-100) where no
+prediction is wanted. The head is BERT's: dense + GELU + LayerNorm, then a decoder tied to the
+word embeddings plus a bias, then cross-entropy. Returns ``(loss, num_correct, num_predicted)``;
+``loss`` is the mean over predicted positions (0 when there are none).
+
+This file holds the plain-PyTorch reference first, then the Triton kernels, host wrappers
+(``linear_cross_entropy_fwd`` / ``_bwd``, registered as ``torch.ops.fastbert`` custom ops), the
+``autograd.Function`` and the functional entry point ``sparse_mlm_loss``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def mlm_transform_ref(h, dense_weight, dense_bias, ln_weight, ln_bias, eps, approximate="none"):
+    h = F.gelu(F.linear(h, dense_weight, dense_bias), approximate=approximate)
+    return F.layer_norm(h, (h.shape[-1],), ln_weight, ln_bias, eps)
+
+
+def sparse_mlm_loss_ref(hidden, labels, dense_weight, dense_bias, ln_weight, ln_bias, eps,
+                        decoder_weight, decoder_bias, approximate="none", ignore_index=-100):
+    """Reference: gather, transform, full logits for the gathered rows, cross-entropy."""
+    keep = (labels != ignore_index).nonzero(as_tuple=True)[0]
+    h = hidden.index_select(0, keep)
+    y = labels.index_select(0, keep)
+    h = mlm_transform_ref(h, dense_weight, dense_bias, ln_weight, ln_bias, eps, approximate)
+    logits = F.linear(h, decoder_weight, decoder_bias).float()
+    n = y.numel()
+    if n == 0:
+        loss = logits.sum() * 0.0 + hidden.sum() * 0.0
+        zero = torch.zeros((), dtype=torch.long, device=hidden.device)
+        return loss, zero, zero
+    loss = F.cross_entropy(logits, y)
+    correct = (logits.argmax(dim=-1) == y).sum()
+    return loss, correct, torch.tensor(n, device=hidden.device)
+
+
+# ============================================================================= Triton kernels
+# Everything below is the fused path. The rows to predict are gathered first (n = masked tokens),
+# the transform reuses the fused linear+GELU and LayerNorm ops, and the decoder + cross-entropy is
+# fused: the forward kernel computes (row-block x vocab-block) logit tiles in registers and reduces
+# each tile at once to per-row partials (running max, sum of exp, label logit, argmax), so no
+# logits are ever stored; the host combines the partials of the vocab tiles (online logsumexp).
+# The backward walks the vocabulary in chunks: a kernel recomputes a chunk's logits and writes its
+# d(logits) = (softmax - onehot) * g / n (n x chunk, the only logits-sized buffer), then two cuBLAS
+# matmuls accumulate d(hidden) and write the chunk's rows of d(decoder_weight).
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from fastbert.ops._common import INTERPRET, check_triton_device, register_op  # noqa: E402
+from fastbert.ops.ffn import input_precision, linear_bias_gelu, mm_tile  # noqa: E402
+from fastbert.ops.layer_norm import dropout_add_layer_norm  # noqa: E402
+
+# Elements of the (n x chunk) d(logits) buffer of the backward: 2^24 = 32 MiB in bf16.
+_BWD_CHUNK_ELEMS = 1 << 24
+
+
+def _lce_configs():
+    if INTERPRET:
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
+    return [
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8, num_stages=4),
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+    ]
+
+
+@triton.jit
+def _logits_tile(H, W, B, Y, pid_m, pid_n, n, V, K, v_start, stride_h, stride_w,
+                 EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 logits of rows pid_m and vocab columns v_start + pid_n tile (-inf past V), the
+    columns' vocab ids, the rows, their labels and row mask."""
+    acc = mm_tile(H, W + v_start * stride_w, pid_m, pid_n, n, V - v_start, K, stride_h, 1, stride_w, 1,
+                  EVEN_K, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = v_start + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < V
+    acc += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    acc = tl.where(col_mask[None, :], acc, float("-inf"))
+    row_mask = rows < n
+    labels = tl.load(Y + rows, mask=row_mask, other=-1).to(tl.int32)
+    return acc, rows, cols, row_mask, labels
+
+
+# restore_value: configs of different tile sizes write different partial slots while autotuning;
+# every timed run must start from the same initial buffers.
+@triton.autotune(configs=_lce_configs(), key=["N_BUCKET", "V", "K"],
+                 restore_value=["MAX_P", "SUM_P", "LABEL_P", "ARGMAX_P"])
+@triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
+@triton.jit
+def _lce_fwd_kernel(H, W, B, Y, MAX_P, SUM_P, LABEL_P, ARGMAX_P, n, V, K, N_BUCKET, stride_h, stride_w,
+                    stride_p, INPUT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Per (row, vocab tile) partials at [row, pid_n]: max logit, sum exp(logit - max), the label's
+    logit (0 where the label is elsewhere), and the argmax (first index of the max)."""
+    # Vocab tiles vary fastest so concurrently running programs share the same hidden rows.
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    logits, rows, cols, row_mask, labels = _logits_tile(
+        H, W, B, Y, pid_m, pid_n, n, V, K, 0, stride_h, stride_w, EVEN_K, INPUT_PRECISION,
+        BLOCK_M, BLOCK_N, BLOCK_K)
+    m = tl.max(logits, axis=1)
+    s = tl.sum(tl.exp(logits - m[:, None]), axis=1)
+    is_max = logits == m[:, None]
+    arg = tl.min(tl.where(is_max, cols[None, :], 2147483647), axis=1)
+    lab = tl.sum(tl.where(cols[None, :] == labels[:, None], logits, 0.0), axis=1)
+    offs = rows.to(tl.int64) * stride_p + pid_n
+    tl.store(MAX_P + offs, m, mask=row_mask)
+    tl.store(SUM_P + offs, s, mask=row_mask)
+    tl.store(LABEL_P + offs, lab, mask=row_mask)
+    tl.store(ARGMAX_P + offs, arg, mask=row_mask)
+
+
+@triton.autotune(configs=_lce_configs(), key=["N_BUCKET", "V", "K"], restore_value=["DB_PART"])
+@triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
+@triton.jit
+def _lce_bwd_kernel(H, W, B, Y, LSE, G, DL, DB_PART, n, V, K, N_BUCKET, v_start, chunk, stride_h, stride_w,
+                    stride_dl, inv_n, INPUT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """d(logits) of vocab columns [v_start, v_start + chunk) into DL (n, chunk) and the column sums
+    of this row block (partial d(bias)) into DB_PART[pid_m, col]."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    logits, rows, cols, row_mask, labels = _logits_tile(
+        H, W, B, Y, pid_m, pid_n, n, V, K, v_start, stride_h, stride_w, EVEN_K, INPUT_PRECISION,
+        BLOCK_M, BLOCK_N, BLOCK_K)
+    lse = tl.load(LSE + rows, mask=row_mask, other=0.0)
+    g = tl.load(G).to(tl.float32) * inv_n
+    prob = tl.exp(logits - lse[:, None])  # exp(-inf) = 0 past V
+    dl = (prob - (cols[None, :] == labels[:, None]).to(tl.float32)) * g
+    local = cols - v_start
+    keep = row_mask[:, None] & (local < chunk)[None, :] & (cols < V)[None, :]
+    dl = tl.where(keep, dl, 0.0)
+    tl.store(DL + rows.to(tl.int64)[:, None] * stride_dl + local[None, :], dl.to(DL.dtype.element_ty), mask=keep)
+    tl.store(DB_PART + pid_m * V + cols, tl.sum(dl, axis=0), mask=(local < chunk) & (cols < V))
+
+
+# ============================================================================= host wrappers
+def linear_cross_entropy_fwd(h, weight, bias, labels):
+    """Mean cross-entropy of ``h @ weight.T + bias`` against ``labels`` (all valid), without
+    storing logits. Returns ``(loss fp32 scalar, lse fp32 (n,), num_correct int64 scalar)``."""
+    n, k = h.shape
+    v = weight.shape[0]
+    dev = h.device
+    if n == 0:
+        return (torch.zeros((), dtype=torch.float32, device=dev), torch.empty((0,), dtype=torch.float32, device=dev),
+                torch.zeros((), dtype=torch.int64, device=dev))
+    # Partials are sized for the narrowest vocab tile of the autotune space; wider tiles fill a prefix.
+    min_block_n = min(c.kwargs["BLOCK_N"] for c in _lce_configs())
+    tiles = triton.cdiv(v, min_block_n)
+    max_p = torch.full((n, tiles), float("-inf"), dtype=torch.float32, device=dev)
+    sum_p = torch.zeros((n, tiles), dtype=torch.float32, device=dev)
+    label_p = torch.zeros((n, tiles), dtype=torch.float32, device=dev)
+    arg_p = torch.full((n, tiles), v, dtype=torch.int32, device=dev)
+
+    def grid(meta):
+        return (triton.cdiv(v, meta["BLOCK_N"]), triton.cdiv(n, meta["BLOCK_M"]))
+    _lce_fwd_kernel[grid](h, weight, bias, labels, max_p, sum_p, label_p, arg_p, n, v, k,
+                          triton.next_power_of_2(n), h.stride(0), weight.stride(0), tiles,
+                          INPUT_PRECISION=input_precision(h.dtype))
+    # Online-softmax combine over vocab tiles; unused tiles hold (-inf, 0) and drop out.
+    row_max = max_p.max(dim=1).values  # (n,)
+    lse = row_max + torch.log((sum_p * torch.exp(max_p - row_max[:, None])).sum(dim=1))
+    loss = (lse - label_p.sum(dim=1)).mean()
+    # argmax: the smallest index among tiles that reach the row max (torch's first-max rule).
+    pred = torch.where(max_p == row_max[:, None], arg_p, v).min(dim=1).values
+    correct = (pred.long() == labels).sum()
+    return loss, lse, correct
+
+
+def linear_cross_entropy_bwd(grad, h, weight, bias, labels, lse):
+    """Gradients ``(dh, dweight, dbias)`` of the mean loss scaled by ``grad`` (a scalar tensor)."""
+    n, k = h.shape
+    v = weight.shape[0]
+    dev = h.device
+    dh = torch.zeros((n, k), dtype=torch.float32, device=dev)
+    dw = torch.empty_like(weight)
+    if n == 0:
+        return dh.to(h.dtype), dw.zero_(), torch.zeros_like(bias)
+    chunk = max(128, min(v, (_BWD_CHUNK_ELEMS // n) // 128 * 128))
+    max_block_m_rows = triton.cdiv(n, min(c.kwargs["BLOCK_M"] for c in _lce_configs()))
+    db_part = torch.zeros((max_block_m_rows, v), dtype=torch.float32, device=dev)
+    dl = torch.empty((n, min(chunk, v)), dtype=h.dtype, device=dev)
+    g = grad.reshape(1).to(torch.float32)
+    for v0 in range(0, v, chunk):
+        c = min(chunk, v - v0)
+
+        def grid(meta):
+            return (triton.cdiv(c, meta["BLOCK_N"]), triton.cdiv(n, meta["BLOCK_M"]))
+        _lce_bwd_kernel[grid](h, weight, bias, labels, lse, g, dl, db_part, n, v, k, triton.next_power_of_2(n),
+                              v0, c, h.stride(0), weight.stride(0), dl.stride(0), 1.0 / n,
+                              INPUT_PRECISION=input_precision(h.dtype))
+        dlc = dl[:, :c]  # (n, c)
+        dh.addmm_(dlc, weight[v0:v0 + c]) if h.dtype == torch.float32 else dh.add_(dlc @ weight[v0:v0 + c])
+        torch.mm(dlc.t(), h, out=dw[v0:v0 + c])  # (c, n) @ (n, K)
+    return dh.to(h.dtype), dw, db_part.sum(0).to(bias.dtype)
+
+
+def _fwd_fake(h, weight, bias, labels):
+    return (h.new_empty((), dtype=torch.float32), h.new_empty((h.shape[0],), dtype=torch.float32),
+            h.new_empty((), dtype=torch.int64))
+
+
+def _bwd_fake(grad, h, weight, bias, labels, lse):
+    return torch.empty_like(h), torch.empty_like(weight), torch.empty_like(bias)
+
+
+_fwd_op = register_op(
+    "linear_cross_entropy_fwd",
+    "(Tensor h, Tensor weight, Tensor bias, Tensor labels) -> (Tensor, Tensor, Tensor)",
+    linear_cross_entropy_fwd, _fwd_fake)
+_bwd_op = register_op(
+    "linear_cross_entropy_bwd",
+    "(Tensor grad, Tensor h, Tensor weight, Tensor bias, Tensor labels, Tensor lse) -> (Tensor, Tensor, Tensor)",
+    linear_cross_entropy_bwd, _bwd_fake)
+
+
+# ============================================================================= autograd + entry point
+class LinearCrossEntropyFn(torch.autograd.Function):
+    """Mean cross-entropy of ``h @ weight.T + bias`` (the decoder) fused with the loss."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, labels):
+        loss, lse, correct = _fwd_op(h, weight, bias, labels)
+        ctx.save_for_backward(h, weight, bias, labels, lse)
+        ctx.mark_non_differentiable(correct)
+        return loss, correct
+
+    @staticmethod
+    def backward(ctx, dloss, _dcorrect):
+        h, weight, bias, labels, lse = ctx.saved_tensors
+        dh, dw, db = _bwd_op(dloss, h, weight, bias, labels, lse)
+        return dh, dw, db, None
+
+
+def sparse_mlm_loss(hidden, labels, dense_weight, dense_bias, ln_weight, ln_bias, eps,
+                    decoder_weight, decoder_bias, approximate="none", ignore_index=-100):
+    """Fused sparse MLM head + loss; same signature and semantics as :func:`sparse_mlm_loss_ref`."""
+    check_triton_device(hidden, dense_weight, decoder_weight)
+    if labels.shape != hidden.shape[:1] or hidden.dim() != 2:
+        raise ValueError(f"sparse_mlm_loss: hidden must be (tokens, hidden) and labels (tokens,), got "
+                         f"{tuple(hidden.shape)} and {tuple(labels.shape)}")
+    keep = (labels != ignore_index).nonzero(as_tuple=True)[0]  # host sync, as in the reference
+    n = keep.numel()
+    if n == 0:
+        loss = hidden.sum() * 0.0 + decoder_weight.sum() * 0.0
+        zero = torch.zeros((), dtype=torch.long, device=hidden.device)
+        return loss.float(), zero, zero
+    y = labels.index_select(0, keep)
+    v = decoder_weight.shape[0]
+    bad = ((y < 0) | (y >= v)).any()
+    if bool(bad):
+        raise ValueError(f"sparse_mlm_loss: labels must be in [0, {v}) or ignore_index={ignore_index}")
+    h = hidden.index_select(0, keep)  # (n, hidden)
+    h = linear_bias_gelu(h, dense_weight, dense_bias, approximate)
+    h = dropout_add_layer_norm(h, None, ln_weight, ln_bias, eps)
+    if decoder_bias is None:
+        decoder_bias = torch.zeros(v, dtype=decoder_weight.dtype, device=decoder_weight.device)
+    loss, correct = LinearCrossEntropyFn.apply(h.contiguous(), decoder_weight, decoder_bias, y.contiguous())
+    return loss, correct, torch.tensor(n, device=hidden.device)

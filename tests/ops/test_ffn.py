@@ -1,0 +1,117 @@
+"""Fused linear + bias + GELU vs the plain-PyTorch reference.
+
+Outputs and gradients are compared with an fp64 reference; the kernel's error must stay within 2x
+torch's own same-dtype error plus a small atol. CPU runs use the Triton interpreter, hence the
+small shapes; sizes are chosen off the tile grid (M, N, K not multiples of 32).
+"""
+import pytest
+import torch
+
+from fastbert.ops.ffn import linear_bias_gelu, linear_bias_gelu_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ATOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+def assert_within(name, out, same, ref, dtype):
+    """|out - ref| <= 2 |same - ref| + atol * max(1, |ref|), elementwise maxima."""
+    ref = ref.double()
+    err = (out.double() - ref).abs().max().item()
+    err_same = (same.double() - ref).abs().max().item()
+    atol = ATOL[dtype] * max(1.0, ref.abs().max().item())
+    assert err <= 2 * err_same + atol, f"{name}: kernel err {err:.3g} > 2 * torch err {err_same:.3g} + {atol:.3g}"
+
+
+def make_inputs(lead, k, n, dtype, has_bias=True):
+    g = torch.Generator().manual_seed(k * 7 + n)
+    x = torch.randn(*lead, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    b = torch.randn(n, generator=g) if has_bias else None
+    return [t.to(DEVICE, dtype) if t is not None else None for t in (x, w, b)]
+
+
+def run(fn, inputs, dy, dtype, approximate):
+    leaves = [t.detach().to(dtype).requires_grad_() if t is not None else None for t in inputs]
+    y = fn(*leaves, approximate=approximate)
+    live = [t for t in leaves if t is not None]
+    return y, torch.autograd.grad((y.float() * dy.float()).sum(), live)
+
+
+def check(lead, k, n, dtype, approximate, has_bias=True):
+    inputs = make_inputs(lead, k, n, dtype, has_bias)
+    dy = torch.randn(*lead, n, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    y, dk = run(linear_bias_gelu, inputs, dy, dtype, approximate)
+    y_same, ds = run(linear_bias_gelu_ref, inputs, dy, dtype, approximate)
+    y_ref, dr = run(linear_bias_gelu_ref, inputs, dy, torch.float64, approximate)
+    assert y.dtype == dtype and y.shape == (*lead, n)
+    assert_within("out", y, y_same, y_ref, dtype)
+    for name, a, b, c in zip(("dx", "dweight", "dbias"), dk, ds, dr):
+        assert_within(name, a, b, c, dtype)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("lead,k,n", [((1,), 1, 1), ((1,), 17, 33), ((37,), 64, 96), ((2, 5), 48, 40),
+                                      ((70,), 40, 130)])
+def test_matches_reference(lead, k, n, dtype, approximate):
+    check(lead, k, n, dtype, approximate)
+
+
+def test_no_bias():
+    check((9,), 20, 50, torch.float32, "none", has_bias=False)
+
+
+def test_inference_path_equals_training_path():
+    """Without grad the kernel skips storing the pre-activation; the output must not change."""
+    x, w, b = make_inputs((33,), 40, 70, torch.float32)
+    with torch.no_grad():
+        y_inf = linear_bias_gelu(x, w, b)
+    y_train = linear_bias_gelu(x.requires_grad_(), w, b)
+    assert torch.equal(y_inf, y_train.detach())
+
+
+def test_gelu_tails():
+    """Large |z|: erf / tanh saturate without inf or NaN, in the output and the derivative."""
+    x = torch.tensor([[-30.0], [-8.0], [0.0], [8.0], [30.0], [1e4]], device=DEVICE, requires_grad=True)
+    w = torch.ones(1, 1, device=DEVICE)
+    for approximate in ("none", "tanh"):
+        y = linear_bias_gelu(x, w, None, approximate)
+        (dx,) = torch.autograd.grad(y.sum(), x)
+        xr = x.detach().double().requires_grad_()
+        yr = torch.nn.functional.gelu(xr, approximate=approximate)
+        (dxr,) = torch.autograd.grad(yr.sum(), xr)
+        torch.testing.assert_close(y.double(), yr, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(dx.double(), dxr, atol=1e-6, rtol=1e-6)
+
+
+def test_rejects_bad_arguments():
+    x, w, b = make_inputs((4,), 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="approximate"):
+        linear_bias_gelu(x, w, b, approximate="sigmoid")
+    with pytest.raises(ValueError, match="weight"):
+        linear_bias_gelu(x[:, :4], w, b)
+    with pytest.raises(TypeError, match="dtype|float"):
+        linear_bias_gelu(x.half(), w, b)
+
+
+def test_custom_op_and_torch_compile():
+    x, w, b = make_inputs((5,), 24, 40, torch.float32)
+    torch.library.opcheck(torch.ops.fastbert.linear_bias_gelu_fwd.default, (x, w, b, "tanh", True))
+
+    def f(x, w, b):
+        return (linear_bias_gelu(x, w, b, "tanh") ** 2).sum()
+
+    eager = [t.clone().requires_grad_() for t in (x, w, b)]
+    comp = [t.clone().requires_grad_() for t in (x, w, b)]
+    le = f(*eager)
+    lc = torch.compile(f, backend="aot_eager", fullgraph=True)(*comp)
+    torch.testing.assert_close(lc, le)
+    for a, c in zip(torch.autograd.grad(le, eager), torch.autograd.grad(lc, comp)):
+        torch.testing.assert_close(c, a)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,k,n", [(4096, 768, 3072), (4096, 1024, 4096), (1000, 3072, 768), (2458, 768, 768)])
+def test_gpu_bert_shapes(m, k, n, dtype):
+    check((m,), k, n, dtype, "none")

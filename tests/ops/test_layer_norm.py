@@ -1,0 +1,171 @@
+"""Fused residual + bias + dropout + LayerNorm vs the plain-PyTorch reference.
+
+Every output and gradient is compared with an fp64 reference; the kernel's error must stay within
+2x the error of torch's own same-dtype computation plus a small atol (flash-attn's rule), so the
+tolerance follows from the dtype instead of being picked per test. CPU runs use the Triton
+interpreter (tests/conftest.py), hence the small shapes.
+"""
+import pytest
+import torch
+
+from fastbert.ops._common import dropout_mask
+from fastbert.ops.layer_norm import dropout_add_layer_norm, dropout_add_layer_norm_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ATOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+def assert_within(name, out, same, ref, dtype):
+    """|out - ref| <= 2 |same - ref| + atol * max(1, |ref|), elementwise maxima."""
+    ref = ref.double()
+    err = (out.double() - ref).abs().max().item()
+    err_same = (same.double() - ref).abs().max().item()
+    atol = ATOL[dtype] * max(1.0, ref.abs().max().item())
+    assert err <= 2 * err_same + atol, f"{name}: kernel err {err:.3g} > 2 * torch err {err_same:.3g} + {atol:.3g}"
+
+
+def make_inputs(shape, dtype, has_res=True, has_xb=True, has_bias=True):
+    n = shape[-1]
+    g = torch.Generator().manual_seed(sum(shape) + n)
+    t = {
+        "x": torch.randn(shape, generator=g),
+        "residual": torch.randn(shape, generator=g) if has_res else None,
+        "weight": 1 + 0.5 * torch.randn(n, generator=g),
+        "bias": torch.randn(n, generator=g) if has_bias else None,
+        "x_bias": torch.randn(n, generator=g) if has_xb else None,
+    }
+    return {k: (v.to(DEVICE, dtype).requires_grad_() if v is not None else None) for k, v in t.items()}
+
+
+def run(fn, inputs, grads, dtype=None, **kw):
+    """Forward + backward of ``fn`` on copies of ``inputs`` cast to ``dtype``; returns (outs, grads)."""
+    leaves = {k: (v.detach().to(dtype or v.dtype).requires_grad_() if v is not None else None)
+              for k, v in inputs.items()}
+    outs = fn(leaves["x"], leaves["residual"], leaves["weight"], leaves["bias"], 1e-5, x_bias=leaves["x_bias"], **kw)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    loss = sum((o.float() * g.float()).sum() for o, g in zip(outs, grads))
+    names = [k for k, v in leaves.items() if v is not None]
+    dl = torch.autograd.grad(loss, [leaves[k] for k in names])
+    return outs, dict(zip(names, dl))
+
+
+def check_against_reference(inputs, dtype, prenorm, mask=None, p=0.0, seed=0):
+    shape = inputs["x"].shape
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(shape, generator=g).to(DEVICE, dtype) for _ in range(2 if prenorm else 1)]
+
+    def ref(x, residual, weight, bias, eps, x_bias=None, **_):
+        # The reference with the fused op's mask (the reference itself draws masks from torch's RNG).
+        if mask is not None:
+            x = (x + x_bias) * mask.view(shape) / (1 - p)
+            x_bias = None
+        return dropout_add_layer_norm_ref(x, residual, weight, bias, eps, x_bias=x_bias, prenorm=prenorm)
+
+    outs, dk = run(dropout_add_layer_norm, inputs, grads, dropout_p=p, prenorm=prenorm, seed=seed)
+    outs_same, ds = run(ref, inputs, grads)
+    outs_ref, dr = run(ref, inputs, grads, dtype=torch.float64)
+    for i, (o, s, r) in enumerate(zip(outs, outs_same, outs_ref)):
+        assert o.dtype == dtype and o.shape == shape
+        assert_within(f"out{i}", o, s, r, dtype)
+    for k in dk:
+        assert dk[k].dtype == inputs[k].dtype
+        assert_within(f"d{k}", dk[k], ds[k], dr[k], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1, 1023), (3, 7, 256), (5, 37), (2, 3, 768), (1, 2)])
+def test_matches_reference(shape, dtype):
+    check_against_reference(make_inputs(shape, dtype), dtype, prenorm=True)
+
+
+@pytest.mark.parametrize("has_res,has_xb,has_bias,prenorm", [
+    (False, False, True, False), (True, False, True, False), (False, True, False, True), (True, True, False, False)])
+def test_optional_inputs(has_res, has_xb, has_bias, prenorm):
+    inputs = make_inputs((9, 100), torch.float32, has_res, has_xb, has_bias)
+    check_against_reference(inputs, torch.float32, prenorm=prenorm)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_matches_masked_reference(dtype, p):
+    """Forward and backward (which regenerates the mask from the seed) equal the reference with
+    the same mask applied explicitly."""
+    inputs = make_inputs((6, 130), dtype)
+    mask = dropout_mask(1234, 6, 130, p, DEVICE)
+    assert 0 < mask.sum() < mask.numel()
+    check_against_reference(inputs, dtype, prenorm=True, mask=mask, p=p, seed=1234)
+
+
+def test_dropout_mask_fraction_and_reproducibility():
+    rows, n, p = 64, 1000, 0.3
+    x = torch.ones(rows, n, device=DEVICE)
+    w, b = torch.ones(n, device=DEVICE), torch.zeros(n, device=DEVICE)
+    _, s1 = dropout_add_layer_norm(x, None, w, b, 1e-5, dropout_p=p, prenorm=True, seed=42)
+    _, s2 = dropout_add_layer_norm(x, None, w, b, 1e-5, dropout_p=p, prenorm=True, seed=42)
+    _, s3 = dropout_add_layer_norm(x, None, w, b, 1e-5, dropout_p=p, prenorm=True, seed=43)
+    kept = (s1 != 0).float().mean().item()
+    sigma = (p * (1 - p) / s1.numel()) ** 0.5
+    assert abs(kept - (1 - p)) < 5 * sigma
+    assert torch.allclose(s1[s1 != 0], torch.full_like(s1[s1 != 0], 1 / (1 - p)))
+    assert torch.equal(s1, s2)
+    assert not torch.equal(s1, s3)
+    assert torch.equal(s1 != 0, dropout_mask(42, rows, n, p, DEVICE))
+    # seed=None draws from torch's CPU generator, so torch.manual_seed makes it reproducible.
+    torch.manual_seed(0)
+    _, a = dropout_add_layer_norm(x, None, w, b, 1e-5, dropout_p=p, prenorm=True)
+    torch.manual_seed(0)
+    _, c = dropout_add_layer_norm(x, None, w, b, 1e-5, dropout_p=p, prenorm=True)
+    assert torch.equal(a, c)
+
+
+def test_p_zero_is_exactly_no_dropout():
+    inputs = make_inputs((4, 64), torch.float32)
+    args = [inputs[k] for k in ("x", "residual", "weight", "bias")]
+    y1, s1 = dropout_add_layer_norm(*args, 1e-5, x_bias=inputs["x_bias"], dropout_p=0.0, prenorm=True, seed=1)
+    y2, s2 = dropout_add_layer_norm(*args, 1e-5, x_bias=inputs["x_bias"], dropout_p=0.0, prenorm=True, seed=999)
+    assert torch.equal(y1, y2) and torch.equal(s1, s2)
+    # No element dropped or rescaled: the pre-norm sum is exactly x + x_bias + residual in fp32.
+    exact = (inputs["x"].detach() + inputs["x_bias"].detach()) + inputs["residual"].detach()
+    assert torch.equal(s1.detach(), exact)
+    dx, dres = torch.autograd.grad(y1.sum() + s1.sum(), (inputs["x"], inputs["residual"]))
+    assert torch.equal(dx, dres)
+
+
+def test_rejects_bad_arguments():
+    x = torch.randn(2, 16, device=DEVICE)
+    w = torch.ones(16, device=DEVICE)
+    with pytest.raises(ValueError, match="dropout_p"):
+        dropout_add_layer_norm(x, None, w, None, 1e-5, dropout_p=1.0)
+    with pytest.raises(ValueError, match="weight"):
+        dropout_add_layer_norm(x, None, torch.ones(8, device=DEVICE), None, 1e-5)
+    with pytest.raises(ValueError, match="8192"):
+        dropout_add_layer_norm(torch.randn(1, 8200, device=DEVICE), None, torch.ones(8200, device=DEVICE), None, 1e-5)
+
+
+def test_custom_op_and_torch_compile():
+    """Registered ops pass torch's op checks, and a compiled graph around the op (forward and
+    backward) gives the eager result."""
+    inputs = make_inputs((3, 48), torch.float32)
+    x, r, w, b, xb = (inputs[k].detach() for k in ("x", "residual", "weight", "bias", "x_bias"))
+    torch.library.opcheck(torch.ops.fastbert.dropout_add_layer_norm_fwd.default, (x, r, w, b, 1e-5, xb, 0.2, 7, True))
+
+    def f(x, r, w, b, xb):
+        y, s = dropout_add_layer_norm(x, r, w, b, 1e-5, x_bias=xb, dropout_p=0.2, prenorm=True, seed=7)
+        return (y * y).sum() + s.sum()
+
+    eager = [t.clone().requires_grad_() for t in (x, r, w, b, xb)]
+    comp = [t.clone().requires_grad_() for t in (x, r, w, b, xb)]
+    le = f(*eager)
+    lc = torch.compile(f, backend="aot_eager", fullgraph=True)(*comp)
+    torch.testing.assert_close(lc, le)
+    for a, c in zip(torch.autograd.grad(le, eager), torch.autograd.grad(lc, comp)):
+        torch.testing.assert_close(c, a)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(8, 512, 768), (8, 512, 1024), (2, 64, 8192)])
+def test_gpu_bert_shapes(shape, dtype):
+    check_against_reference(make_inputs(shape, dtype), dtype, prenorm=True)
+    mask = dropout_mask(5, shape[0] * shape[1], shape[2], 0.1, DEVICE)
+    check_against_reference(make_inputs(shape, dtype), dtype, prenorm=False, mask=mask, p=0.1, seed=5)

@@ -1,0 +1,140 @@
+"""Fused sparse MLM loss (gather + transform + decoder + chunked cross-entropy) vs the reference.
+
+Loss and the gradients of the hidden states and all seven weights are compared with an fp64
+reference; the kernel's error must stay within 2x torch's own same-dtype error plus a small atol.
+The counts (num_correct, num_predicted) must match exactly. CPU runs use the Triton interpreter.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastbert.ops.mlm_loss as mlm
+from fastbert.ops.mlm_loss import mlm_transform_ref, sparse_mlm_loss, sparse_mlm_loss_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ATOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+PARAMS = ("hidden", "dense_weight", "dense_bias", "ln_weight", "ln_bias", "decoder_weight", "decoder_bias")
+
+
+def assert_within(name, out, same, ref, dtype):
+    """|out - ref| <= 2 |same - ref| + atol * max(1, |ref|), elementwise maxima."""
+    ref = ref.double()
+    err = (out.double() - ref).abs().max().item()
+    err_same = (same.double() - ref).abs().max().item()
+    atol = ATOL[dtype] * max(1.0, ref.abs().max().item())
+    assert err <= 2 * err_same + atol, f"{name}: kernel err {err:.3g} > 2 * torch err {err_same:.3g} + {atol:.3g}"
+
+
+def make_inputs(tokens, hidden, vocab, dtype, frac=0.4, ignore_index=-100, hit=True):
+    g = torch.Generator().manual_seed(tokens * 31 + hidden + vocab)
+    p = {
+        "hidden": torch.randn(tokens, hidden, generator=g),
+        "dense_weight": torch.randn(hidden, hidden, generator=g) / hidden ** 0.5,
+        "dense_bias": 0.1 * torch.randn(hidden, generator=g),
+        "ln_weight": 1 + 0.2 * torch.randn(hidden, generator=g),
+        "ln_bias": 0.1 * torch.randn(hidden, generator=g),
+        "decoder_weight": torch.randn(vocab, hidden, generator=g) / hidden ** 0.5,
+        "decoder_bias": 0.1 * torch.randn(vocab, generator=g),
+    }
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    labels[torch.rand(tokens, generator=g) >= frac] = ignore_index
+    if hit:
+        # Make about half of the predicted labels the model's argmax, so num_correct is not trivially 0.
+        with torch.no_grad():
+            d = {k: v.double() for k, v in p.items()}
+            h = mlm_transform_ref(d["hidden"], d["dense_weight"], d["dense_bias"], d["ln_weight"], d["ln_bias"], 1e-12)
+            top2 = F.linear(h, d["decoder_weight"], d["decoder_bias"]).topk(2, dim=-1)
+            # only rows whose top-1 clearly beats top-2, so rounding cannot flip the argmax
+            clear = (top2.values[:, 0] - top2.values[:, 1]) > 0.05
+            flip = (labels != ignore_index) & clear & (torch.arange(tokens) % 2 == 0)
+            labels[flip] = top2.indices[flip, 0]
+    return labels.to(DEVICE), {k: v.to(DEVICE, dtype) for k, v in p.items()}
+
+
+def run(fn, labels, params, dtype, **kw):
+    leaves = {k: v.detach().to(dtype).requires_grad_() for k, v in params.items()}
+    a = [leaves[k] for k in PARAMS]
+    loss, correct, n = fn(a[0], labels, a[1], a[2], a[3], a[4], 1e-12, a[5], a[6], **kw)
+    grads = torch.autograd.grad(loss, a, allow_unused=True)
+    grads = [torch.zeros_like(t) if gr is None else gr for t, gr in zip(a, grads)]
+    return (loss, correct, n), dict(zip(PARAMS, grads))
+
+
+def check(tokens, hidden, vocab, dtype, approximate="none", **kw):
+    labels, params = make_inputs(tokens, hidden, vocab, dtype, **kw)
+    extra = {"ignore_index": kw["ignore_index"]} if "ignore_index" in kw else {}
+    (loss, correct, n), dk = run(sparse_mlm_loss, labels, params, dtype, approximate=approximate, **extra)
+    (loss_s, _, _), ds = run(sparse_mlm_loss_ref, labels, params, dtype, approximate=approximate, **extra)
+    (loss_r, correct_r, n_r), dr = run(sparse_mlm_loss_ref, labels, params, torch.float64,
+                                       approximate=approximate, **extra)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert_within("loss", loss, loss_s, loss_r, dtype)
+    assert n.item() == n_r.item()
+    if dtype == torch.float32:
+        assert correct.item() == correct_r.item()
+    else:  # a near-tie may round either way in 16-bit
+        assert abs(correct.item() - correct_r.item()) <= max(1, n_r.item() // 20)
+    for k in PARAMS:
+        assert dk[k].dtype == dtype
+        assert_within(f"d{k}", dk[k], ds[k], dr[k], dtype)
+    return correct_r.item(), n_r.item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens,hidden,vocab", [(5, 16, 33), (40, 40, 300), (23, 32, 1000)])
+def test_matches_reference(tokens, hidden, vocab, dtype):
+    correct, n = check(tokens, hidden, vocab, dtype)
+    assert n > 0 and (correct > 0 or tokens < 10)
+
+
+def test_tanh_and_custom_ignore_index():
+    check(30, 24, 100, torch.float32, approximate="tanh", ignore_index=-1)
+
+
+def test_backward_in_several_vocab_chunks(monkeypatch):
+    """Shrink the backward's chunk so the vocabulary is walked in 8 chunks (the last one partial)."""
+    monkeypatch.setattr(mlm, "_BWD_CHUNK_ELEMS", 1)
+    check(20, 32, 1000, torch.float32)
+
+
+def test_all_predicted_and_none_predicted():
+    check(12, 16, 50, torch.float32, frac=1.1)
+    labels, params = make_inputs(12, 16, 50, torch.float32, frac=-1.0, hit=False)
+    (loss, correct, n), grads = run(sparse_mlm_loss, labels, params, torch.float32)
+    assert loss.item() == 0.0 and correct.item() == 0 and n.item() == 0
+    assert all(torch.count_nonzero(g) == 0 for g in grads.values())
+
+
+def test_rejects_out_of_range_labels():
+    labels, params = make_inputs(6, 16, 20, torch.float32, frac=1.1, hit=False)
+    labels[2] = 20
+    with pytest.raises(ValueError, match="labels"):
+        run(sparse_mlm_loss, labels, params, torch.float32)
+
+
+def test_custom_op_and_torch_compile():
+    labels, params = make_inputs(10, 16, 70, torch.float32, frac=1.1)
+    h = params["hidden"]
+    w, b = params["decoder_weight"], params["decoder_bias"]
+    torch.library.opcheck(torch.ops.fastbert.linear_cross_entropy_fwd.default, (h, w, b, labels))
+
+    def f(h, w, b):
+        loss, correct = mlm.LinearCrossEntropyFn.apply(h, w, b, labels)
+        return loss
+
+    eager = [t.clone().requires_grad_() for t in (h, w, b)]
+    comp = [t.clone().requires_grad_() for t in (h, w, b)]
+    le = f(*eager)
+    lc = torch.compile(f, backend="aot_eager", fullgraph=True)(*comp)
+    torch.testing.assert_close(lc, le)
+    torch.testing.assert_close(le, F.cross_entropy(F.linear(h, w, b), labels))
+    for a, c in zip(torch.autograd.grad(le, eager), torch.autograd.grad(lc, comp)):
+        torch.testing.assert_close(c, a)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [768, 1024])
+def test_gpu_bert_shapes(hidden, dtype):
+    # batch 32 x seq 128 tokens, 15% predicted, BERT's vocabulary
+    check(32 * 128, hidden, 30522, dtype, frac=0.15)
