@@ -1,0 +1,180 @@
+"""Generate the Unicode tables of the C++ tokenizer (run by setup.py at build time).
+
+    python csrc/tokenizer/gen_unicode.py OUT.h
+
+Everything comes from this interpreter's `unicodedata`, then hf_unicode_compat.txt overrides the
+code points where HF tokenizers (whose results the tokenizer reproduces) disagrees (see
+gen_hf_compat.py, which makes that file). The header holds sorted code point ranges and mappings;
+csrc/tokenizer/normalizer.cpp composes them into one lookup table per set of options.
+The file is rewritten only when its content changes, so rebuilds stay incremental.
+"""
+from __future__ import annotations
+
+import sys
+import unicodedata
+from pathlib import Path
+
+COMPAT = Path(__file__).with_name("hf_unicode_compat.txt")
+ASCII_PUNCT = set('!"#$%&\'()*+,-./:;<=>?@[\\]^_`{|}~')
+# CJK ideograph blocks that HF's BertNormalizer surrounds with spaces (its list: Extension E starts
+# at U+2B920, not U+2B820 as in google-research/bert).
+CHINESE = [(0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F), (0x2B740, 0x2B81F),
+           (0x2B920, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F)]
+HANGUL_FIRST, HANGUL_LAST = 0xAC00, 0xD7A3  # NFD of Hangul syllables is algorithmic (normalizer.cpp)
+PREDICATES = ("control", "whitespace", "punctuation", "nonspacing_mark")
+
+
+def code_points():
+    return (cp for cp in range(0x110000) if not 0xD800 <= cp <= 0xDFFF)
+
+
+def baseline() -> dict:
+    """The tokenizer's character properties as this interpreter's unicodedata gives them.
+
+    control: dropped by clean_text (Cc, Cf, Co except tab/newline/CR; U+0000 and U+FFFD).
+    whitespace: mapped to a space (White_Space; Python's isspace() adds U+001C..U+001F, which are Cc).
+    punctuation: split off by the pre-tokenizer (ASCII punctuation or a P* category).
+    nonspacing_mark: dropped after NFD by strip_accents (Mn), for characters without a decomposition.
+    """
+    sets = {name: [] for name in PREDICATES}
+    nfd, ccc, lower = {}, {}, {}
+    for cp in code_points():
+        c = chr(cp)
+        cat = unicodedata.category(c)
+        if (cat in ("Cc", "Cf", "Co") and c not in "\t\n\r") or cp == 0xFFFD:
+            sets["control"].append(cp)
+        elif c.isspace() and not 0x1C <= cp <= 0x1F:
+            sets["whitespace"].append(cp)
+        if c in ASCII_PUNCT or cat.startswith("P"):
+            sets["punctuation"].append(cp)
+        d = unicodedata.normalize("NFD", c)
+        if d != c:
+            nfd[cp] = [ord(x) for x in d]
+        elif cat == "Mn":  # only NFD output is ever tested for Mn
+            sets["nonspacing_mark"].append(cp)
+        if unicodedata.combining(c):
+            ccc[cp] = unicodedata.combining(c)
+        if c.lower() != c:
+            lower[cp] = [ord(x) for x in c.lower()]
+    return {"version": unicodedata.unidata_version, "sets": sets, "nfd": nfd, "ccc": ccc, "lower": lower}
+
+
+def parse_ranges(items):
+    for item in items:
+        lo, _, hi = item.partition("..")
+        yield from range(int(lo, 16), int(hi or lo, 16) + 1)
+
+
+def apply_compat(props: dict, path: Path = COMPAT) -> dict:
+    sets = {name: set(v) for name, v in props["sets"].items()}
+    nfd, ccc, lower = dict(props["nfd"]), dict(props["ccc"]), dict(props["lower"])
+    for line in path.read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        key, *rest = line.split()
+        if key in sets:
+            sign, items = rest[0], rest[1:]
+            cps = set(parse_ranges(items))
+            sets[key] = sets[key] | cps if sign == "+" else sets[key] - cps
+        elif key == "nfd_unknown":
+            for cp in parse_ranges(rest):
+                nfd.pop(cp, None)
+                ccc.pop(cp, None)
+                # Unknown to HF's NFD, so tested for Mn as it is (HF's category tables decide).
+        elif key == "lowercase":
+            for item in rest:
+                cp, _, target = item.partition(">")
+                cp, target = int(cp, 16), [int(x, 16) for x in target.split(",")]
+                if target == [cp]:
+                    lower.pop(cp, None)
+                else:
+                    lower[cp] = target
+        else:
+            raise ValueError(f"{path}: unknown line {line[:60]!r}")
+    return {"version": props["version"], "sets": sets, "nfd": nfd, "ccc": ccc, "lower": lower}
+
+
+def to_ranges(cps) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for cp in sorted(cps):
+        if out and out[-1][1] == cp - 1:
+            out[-1] = (out[-1][0], cp)
+        else:
+            out.append((cp, cp))
+    return out
+
+
+def c_array(decl: str, rows: list[str], per_line: int) -> list[str]:
+    lines = [f"{decl} = {{"]
+    for i in range(0, len(rows), per_line):
+        lines.append("    " + " ".join(r + "," for r in rows[i:i + per_line]))
+    lines.append("};")
+    return lines
+
+
+def render(props: dict) -> str:
+    sets = props["sets"]
+    out = [
+        "// Generated by csrc/tokenizer/gen_unicode.py from Python's unicodedata "
+        f"{props['version']} + hf_unicode_compat.txt. Do not edit.",
+        "#pragma once",
+        "#include <cstdint>",
+        "",
+        "namespace fastbert {",
+        "namespace unicode_data {",
+        "",
+        f'constexpr const char* kUnicodeVersion = "{props["version"]}";',
+        "struct Range { uint32_t lo, hi; };",
+        "struct ClassRange { uint32_t lo, hi, ccc; };",
+        "// cp -> kMappingPool[start, start + len)",
+        "struct Mapping { uint32_t cp, start, len; };",
+        "",
+    ]
+    for name in PREDICATES:
+        rows = [f"{{0x{lo:X}, 0x{hi:X}}}" for lo, hi in to_ranges(sets[name])]
+        out += c_array(f"constexpr Range k_{name}[{len(rows)}]", rows, 6)
+    rows = [f"{{0x{lo:X}, 0x{hi:X}}}" for lo, hi in sorted(CHINESE)]
+    out += c_array(f"constexpr Range k_chinese[{len(rows)}]", rows, 4)
+    # Nonzero canonical combining classes as runs of equal class.
+    runs: list[list[int]] = []
+    for cp in sorted(props["ccc"]):
+        value = props["ccc"][cp]
+        if runs and runs[-1][1] == cp - 1 and runs[-1][2] == value:
+            runs[-1][1] = cp
+        else:
+            runs.append([cp, cp, value])
+    out += c_array(f"constexpr ClassRange k_combining_class[{len(runs)}]",
+                   [f"{{0x{a:X}, 0x{b:X}, {v}}}" for a, b, v in runs], 4)
+    pool: list[int] = []
+
+    def mappings(table: dict) -> list[str]:
+        rows = []
+        for cp in sorted(table):
+            rows.append(f"{{0x{cp:X}, {len(pool)}, {len(table[cp])}}}")
+            pool.extend(table[cp])
+        return rows
+
+    nfd = {cp: v for cp, v in props["nfd"].items() if not HANGUL_FIRST <= cp <= HANGUL_LAST}
+    out += c_array(f"constexpr Mapping k_decomposition[{len(nfd)}]", mappings(nfd), 4)
+    out += c_array(f"constexpr Mapping k_lowercase[{len(props['lower'])}]", mappings(props["lower"]), 4)
+    out += c_array(f"constexpr uint32_t k_mapping_pool[{len(pool)}]", [f"0x{x:X}" for x in pool], 10)
+    out += ["", "}  // namespace unicode_data", "}  // namespace fastbert", ""]
+    return "\n".join(out)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print(__doc__.split("\n\n")[1].strip(), file=sys.stderr)
+        return 2
+    target = Path(argv[1])
+    text = render(apply_compat(baseline()))
+    if not target.is_file() or target.read_text() != text:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(target)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
