@@ -1,0 +1,112 @@
+"""``fastbert finetune``: fine-tune a BERT checkpoint on GLUE, SQuAD, CoNLL-2003 NER or multiple choice."""
+from __future__ import annotations
+
+import json
+import sys
+
+EPILOG = """\
+tasks and --data:
+  cola sst2 mrpc stsb qqp mnli qnli rte wnli
+                   GLUE TSV layout: the GLUE root or the task folder (train.tsv, dev.tsv;
+                   MNLI: dev_matched.tsv + dev_mismatched.tsv)
+  squad            a folder with train-v1.1.json / dev-v1.1.json (or -v2.0), or with
+                   --train-file / --eval-file; v2.0 files enable no-answer prediction
+  ner              a CoNLL-2003 folder: train.txt/valid.txt (IOB2) or eng.train/eng.testa (IOB1), .xz ok
+  multiple-choice  a folder with train.jsonl and dev.jsonl, one object per line:
+                   {"context": "...", "question": "...", "choices": ["...", ...], "label": 0}
+                   (context or question may be omitted; every line needs the same number of choices)
+
+Runs in one process, or under the launcher: deepspeed --num_gpus N $(which fastbert) finetune ...
+"""
+
+
+def add_parser(sub):
+    from fastbert.tasks.finetune import TASK_NAMES
+
+    p = sub.add_parser("finetune", help="fine-tune on GLUE, SQuAD, NER or multiple choice",
+                       description="Fine-tune a BERT checkpoint on a downstream task and evaluate it on the dev set. "
+                                   "Writes the fine-tuned model (HF format), metrics.json, predictions and "
+                                   "metrics.jsonl to --output.",
+                       epilog=EPILOG, formatter_class=_formatter())
+    p.add_argument("--task", required=True, metavar="TASK", help=f"one of: {', '.join(TASK_NAMES)}")
+    p.add_argument("--data", required=True, help="task data (see below)")
+    p.add_argument("--model", required=True, help="HF BERT checkpoint directory (config.json, weights, vocab.txt)")
+    p.add_argument("--output", default=None, help="output folder (default runs/finetune-TASK)")
+    p.add_argument("--epochs", type=float, default=3.0, help="training epochs (fractions allowed; default 3)")
+    p.add_argument("--lr", type=float, default=2e-5, help="peak learning rate of the pretrained weights (default 2e-5)")
+    p.add_argument("--head-lr", type=float, default=None,
+                   help="peak learning rate of the new task head (default: --lr)")
+    p.add_argument("--batch-size", type=int, default=32, help="examples per step and GPU (default 32)")
+    p.add_argument("--eval-batch-size", type=int, default=None, help="examples per evaluation batch")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="tokens per input (default 128; 384 for squad)")
+    p.add_argument("--warmup", type=float, default=0.1,
+                   help="linear warmup: a fraction of the steps (< 1) or a step count (>= 1); then linear decay to 0")
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0 = off)")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--max-train-samples", type=int, default=None, help="use only the first N training examples")
+    p.add_argument("--max-eval-samples", type=int, default=None, help="use only the first N dev examples")
+    p.add_argument("--freeze-encoder", action="store_true",
+                   help="feature-based: train only the task head on frozen BERT features")
+    p.add_argument("--kernels", choices=("torch", "triton"), default=None,
+                   help="kernel path (default: triton on CUDA, torch otherwise)")
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
+                   help="auto = bf16 on CUDA, fp32 on the CPU")
+    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2), help="DeepSpeed ZeRO stage (default 0)")
+    p.add_argument("--deepspeed-config", default=None, help="DeepSpeed JSON with extra ZeRO/offload settings")
+    p.add_argument("--no-save-model", action="store_true", help="do not write the fine-tuned weights")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse_suppress())
+    g = p.add_argument_group("squad")
+    g.add_argument("--doc-stride", type=int, default=128, help="overlap between context windows in tokens (default 128)")
+    g.add_argument("--max-query-len", type=int, default=64, help="question tokens kept (default 64)")
+    g.add_argument("--max-answer-len", type=int, default=30, help="longest answer span in tokens (default 30)")
+    g.add_argument("--n-best", type=int, default=20, help="start/end candidates per window (default 20)")
+    g.add_argument("--null-threshold", type=float, default=0.0,
+                   help="v2.0: predict no answer when null score - best span score > this (default 0)")
+    g.add_argument("--train-file", default=None, help="SQuAD training JSON (instead of --data/train-*.json)")
+    g.add_argument("--eval-file", default=None, help="SQuAD dev JSON (instead of --data/dev-*.json)")
+
+
+def argparse_suppress():
+    import argparse
+    return argparse.SUPPRESS
+
+
+def _formatter():
+    import argparse
+    return argparse.RawDescriptionHelpFormatter
+
+
+def run(args) -> int:
+    from fastbert.cli import UsageError
+    from fastbert.tasks.finetune import FinetuneError, run_finetune
+    from fastbert.tasks.trainer import TrainArgs
+
+    task = args.task.lower()
+    max_seq_len = args.max_seq_len or (384 if task == "squad" else 128)
+    for flag in ("max_train_samples", "max_eval_samples", "eval_batch_size"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1")
+    train_args = TrainArgs(epochs=args.epochs, lr=args.lr, head_lr=args.head_lr, batch_size=args.batch_size,
+                           warmup=args.warmup, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+                           seed=args.seed, freeze_encoder=args.freeze_encoder, precision=args.precision,
+                           zero_stage=args.zero_stage, ds_config=args.deepspeed_config)
+    options = {}
+    if task == "squad":
+        options = dict(doc_stride=args.doc_stride, max_query_len=args.max_query_len,
+                       max_answer_len=args.max_answer_len, n_best=args.n_best, null_threshold=args.null_threshold,
+                       train_file=args.train_file, eval_file=args.eval_file)
+    elif args.train_file or args.eval_file:
+        raise UsageError("--train-file / --eval-file are for --task squad; other tasks read --data")
+    try:
+        summary = run_finetune(task, args.data, args.model, args.output, train_args, max_seq_len=max_seq_len,
+                               max_train_samples=args.max_train_samples, max_eval_samples=args.max_eval_samples,
+                               kernels=args.kernels, eval_batch_size=args.eval_batch_size,
+                               save_model=not args.no_save_model, task_options=options)
+    except FinetuneError as e:
+        raise UsageError(str(e)) from None
+    print(json.dumps({"task": summary["task"], "metrics": summary["metrics"], "output": summary["output"],
+                      "train_seconds": round(summary["train"]["train_seconds"], 2)}, indent=2), file=sys.stdout)
+    return 0

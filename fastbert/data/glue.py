@@ -1,0 +1,159 @@
+"""GLUE readers for the standard TSV layout written by GLUE's ``download_glue_data.py``.
+
+One folder per task (``CoLA/``, ``SST-2/``, ``MRPC/``, ``STS-B/``, ``QQP/``, ``MNLI/``, ``QNLI/``,
+``RTE/``, ``WNLI/``) holding ``train.tsv`` and ``dev.tsv`` (MNLI: ``dev_matched.tsv`` and
+``dev_mismatched.tsv``). Files are tab-separated without quoting. CoLA has no header row
+(columns: source, label, original mark, sentence); every other task has one, and columns are
+found by name. ``--data`` may name the task folder itself or the GLUE root above it.
+"""
+from __future__ import annotations
+
+import csv
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger("fastbert")
+
+
+class DataError(ValueError):
+    """Malformed task data; the message names the file, the line and what was expected."""
+
+
+@dataclass(frozen=True)
+class GlueTask:
+    name: str
+    folder: str                       # folder name in the GLUE layout
+    labels: Optional[tuple[str, ...]]  # None: regression (STS-B)
+    text_a: str | int                 # header name, or column index for header-less files
+    text_b: Optional[str | int]
+    label: str | int
+    header: bool = True
+    dev_splits: tuple[str, ...] = ("dev",)
+    skip_malformed: bool = False       # QQP's train.tsv has a few broken rows; GLUE loaders drop them
+
+    @property
+    def is_regression(self) -> bool:
+        return self.labels is None
+
+    @property
+    def num_labels(self) -> int:
+        return 1 if self.labels is None else len(self.labels)
+
+
+TASKS: dict[str, GlueTask] = {t.name: t for t in (
+    GlueTask("cola", "CoLA", ("0", "1"), 3, None, 1, header=False),
+    GlueTask("sst2", "SST-2", ("0", "1"), "sentence", None, "label"),
+    GlueTask("mrpc", "MRPC", ("0", "1"), "#1 String", "#2 String", "Quality"),
+    GlueTask("stsb", "STS-B", None, "sentence1", "sentence2", "score"),
+    GlueTask("qqp", "QQP", ("0", "1"), "question1", "question2", "is_duplicate", skip_malformed=True),
+    GlueTask("mnli", "MNLI", ("contradiction", "entailment", "neutral"), "sentence1", "sentence2", "gold_label",
+             dev_splits=("dev_matched", "dev_mismatched")),
+    GlueTask("qnli", "QNLI", ("entailment", "not_entailment"), "question", "sentence", "label"),
+    GlueTask("rte", "RTE", ("entailment", "not_entailment"), "sentence1", "sentence2", "label"),
+    GlueTask("wnli", "WNLI", ("0", "1"), "sentence1", "sentence2", "label"),
+)}
+
+
+@dataclass
+class Example:
+    guid: str
+    text_a: str
+    text_b: Optional[str]
+    label: Optional[float | int]  # class index, or the score for regression
+
+
+def get_task(name: str) -> GlueTask:
+    key = name.lower().replace("-", "")
+    if key not in TASKS:
+        raise DataError(f"unknown GLUE task {name!r}; choose one of {', '.join(TASKS)}")
+    return TASKS[key]
+
+
+def task_dir(task: GlueTask, data: Path) -> Path:
+    """``data`` itself when it holds the task's train/dev files, else ``data/<Folder>``."""
+    data = Path(data)
+    for cand in (data, data / task.folder):
+        if any((cand / f"{s}.tsv").is_file() for s in ("train",) + task.dev_splits):
+            return cand
+    raise DataError(f"no GLUE {task.name} data under {data}: expected {data}/{task.folder}/train.tsv and "
+                    f"{', '.join(s + '.tsv' for s in task.dev_splits)} (the download_glue_data.py layout)")
+
+
+def split_path(task: GlueTask, data: Path, split: str) -> Path:
+    path = task_dir(task, data) / f"{split}.tsv"
+    if not path.is_file():
+        raise DataError(f"{path} not found: GLUE {task.name} needs {split}.tsv in {path.parent}")
+    return path
+
+
+def read_tsv(path: Path) -> list[list[str]]:
+    # utf-8-sig: MRPC's files start with a byte-order mark.
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        return [row for row in csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)]
+
+
+def _resolve_column(task: GlueTask, header: list[str], col: str | int, path: Path) -> int:
+    if isinstance(col, int):
+        return col
+    if col in header:
+        # MNLI repeats no names, but take the last occurrence to be safe for "label" style columns.
+        return len(header) - 1 - header[::-1].index(col)
+    raise DataError(f"{path}: header has no {col!r} column (found: {', '.join(header) or 'nothing'}); "
+                    f"is this the {task.name} file of the standard GLUE layout?")
+
+
+def read_examples(task: GlueTask, path: Path, max_samples: int | None = None) -> list[Example]:
+    """Labelled examples of one split; raises DataError on a row that does not fit the layout."""
+    path = Path(path)
+    rows = read_tsv(path)
+    if not rows:
+        raise DataError(f"{path} is empty")
+    if task.header:
+        header, body, first_line = rows[0], rows[1:], 2
+    else:
+        header, body, first_line = [], rows, 1
+        if rows[0] and rows[0][0] == "index":
+            raise DataError(f"{path} has a header row; GLUE's {task.name} train/dev files have none "
+                            "(test.tsv files are unlabelled and cannot be used for training or evaluation)")
+    cols = [_resolve_column(task, header, c, path) if c is not None else None
+            for c in (task.text_a, task.text_b, task.label)]
+    need = max(c for c in cols if c is not None) + 1
+    label_index = {lab: i for i, lab in enumerate(task.labels)} if task.labels else None
+    examples: list[Example] = []
+    skipped = 0
+    for lineno, row in enumerate(body, start=first_line):
+        if not row or row == [""]:
+            continue
+        try:
+            if len(row) < need:
+                raise DataError(f"{path}:{lineno}: expected at least {need} tab-separated columns, got {len(row)}")
+            a, b, raw = (row[c] if c is not None else None for c in cols)
+            label = _parse_label(task, raw, label_index, path, lineno)
+        except DataError:
+            if task.skip_malformed:
+                skipped += 1
+                continue
+            raise
+        examples.append(Example(f"{path.stem}-{lineno}", a, b, label))
+        if max_samples is not None and len(examples) >= max_samples:
+            break
+    if skipped:
+        log.warning("%s: skipped %d malformed rows (as GLUE's reference loaders do for %s)", path, skipped, task.name)
+    if not examples:
+        raise DataError(f"{path} holds no examples")
+    return examples
+
+
+def _parse_label(task, raw: str, label_index, path, lineno):
+    raw = raw.strip()
+    if task.is_regression:
+        try:
+            return float(raw)
+        except ValueError:
+            raise DataError(f"{path}:{lineno}: {task.name} score {raw!r} is not a number") from None
+    if raw not in label_index:
+        raise DataError(f"{path}:{lineno}: label {raw!r} is not one of {task.name}'s {len(task.labels)} labels "
+                        f"{list(task.labels)}")
+    return label_index[raw]
