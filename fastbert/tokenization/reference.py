@@ -1,0 +1,611 @@
+"""Pure-Python BERT WordPiece tokenizer: the oracle the C++ tokenizer is tested against.
+
+Three stages, as in google-research/bert and HF tokenizers:
+
+1. basic tokenizer (`BasicTokenizer`): drop control characters, map whitespace to " ", put spaces
+   around CJK ideographs, NFD + drop non-spacing marks (accent strip), lowercase, then split on
+   whitespace and isolate punctuation. Every output character remembers the index of the
+   original character it came from, which gives HF-style character offsets.
+2. WordPiece: greedy longest-match-first with the "##" continuation prefix; a word with an
+   unmatchable piece, or longer than `max_input_chars_per_word`, becomes one [UNK].
+3. post-processing (`ReferenceTokenizer.encode`): [CLS] a [SEP] (b [SEP]), token type ids,
+   HF "longest_first" truncation, padding.
+
+The semantics are those of HF `BertTokenizerFast` (the Rust BertNormalizer / BertPreTokenizer /
+WordPiece), which differ from google-research/bert's Python in a few places:
+  * only Cc, Cf, Co, Cs characters (and U+0000, U+FFFD) are dropped; unassigned ones (Cn) stay;
+  * whitespace is Unicode White_Space (U+2028 and U+2029 split words; U+001C..U+001F are Cc: dropped);
+  * accents are stripped before lowercasing, and `strip_accents=None` means "same as lowercase";
+  * special tokens ([CLS], [SEP], [PAD], [MASK], [UNK]) written in the raw text are matched
+    anywhere as whole strings before normalization, so "a[MASK]b" gives a, [MASK], b.
+Character classes come from Python's `unicodedata`; HF compiles in other Unicode versions, so the
+two can disagree on characters whose category changed or that were assigned recently (none occur
+in the test corpora; see tests/tokenization/test_reference_tokenizer.py).
+"""
+from __future__ import annotations
+
+import json
+import re
+import unicodedata
+from pathlib import Path
+
+SPECIAL_TOKEN_NAMES = ("unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_TRUNCATION_STRATEGIES = ("longest_first", "only_first", "only_second")
+# HF writes model_max_length = int(1e30) when a checkpoint sets no limit.
+_NO_LIMIT = 10**12
+
+# ----------------------------------------------------------------------------------------------
+# Character classes (HF tokenizers semantics)
+# ----------------------------------------------------------------------------------------------
+
+# Ranges of the CJK Unified / Compatibility ideographs that HF's BertNormalizer spaces out.
+# (HF starts the Extension E block at U+2B920, not U+2B820 as google-research/bert does.)
+_CJK_RANGES = (
+    (0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF), (0x20000, 0x2A6DF),
+    (0x2A700, 0x2B73F), (0x2B740, 0x2B81F), (0x2B920, 0x2CEAF), (0x2F800, 0x2FA1F),
+)
+_CONTROL_CATEGORIES = frozenset(("Cc", "Cf", "Co", "Cs"))
+
+
+def is_whitespace(ch: str) -> bool:
+    """Unicode White_Space. Python's str.isspace also accepts U+001C..U+001F, which are not."""
+    return ch.isspace() and not ("\x1c" <= ch <= "\x1f")
+
+
+def is_control(ch: str) -> bool:
+    """Characters the normalizer drops: Cc/Cf/Co/Cs except tab/newline/CR, plus NUL and U+FFFD."""
+    if ch in "\t\n\r":
+        return False
+    return ch == "\ufffd" or unicodedata.category(ch) in _CONTROL_CATEGORIES
+
+
+def is_punctuation(ch: str) -> bool:
+    """ASCII punctuation (including $+<=>^`|~, which Unicode calls symbols) or any P* category."""
+    cp = ord(ch)
+    if 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126:
+        return True
+    return unicodedata.category(ch).startswith("P")
+
+
+def is_chinese_char(ch: str) -> bool:
+    cp = ord(ch)
+    return any(lo <= cp <= hi for lo, hi in _CJK_RANGES)
+
+
+# Kinds of normalized characters, for the pre-tokenizer.
+_WORD, _ISOLATED, _SPACE = 0, 1, 2
+
+
+class BasicTokenizer:
+    """Normalization + pre-tokenization into words, with each word's original character positions."""
+
+    def __init__(self, lowercase: bool = True, strip_accents: bool | None = None,
+                 tokenize_chinese_chars: bool = True):
+        self.lowercase = bool(lowercase)
+        self.strip_accents = self.lowercase if strip_accents is None else bool(strip_accents)
+        self.tokenize_chinese_chars = bool(tokenize_chinese_chars)
+        self._cache: dict[str, tuple[tuple[str, int], ...]] = {}
+
+    def _classify(self, ch: str) -> tuple[tuple[str, int], ...]:
+        """The normalized characters one original character turns into, each with its kind."""
+        if is_control(ch):
+            return ()
+        if is_whitespace(ch):
+            return ((" ", _SPACE),)
+        text = ch
+        if self.strip_accents:
+            text = "".join(c for c in unicodedata.normalize("NFD", text) if unicodedata.category(c) != "Mn")
+        if self.lowercase:
+            text = text.lower()  # one char at a time: no final-sigma context, like Rust's to_lowercase
+        out = tuple((c, _SPACE if is_whitespace(c) else _ISOLATED if is_punctuation(c) else _WORD)
+                    for c in text)
+        if self.tokenize_chinese_chars and is_chinese_char(ch):
+            out = ((" ", _SPACE),) + out + ((" ", _SPACE),)
+        return out
+
+    def split(self, text: str, base: int = 0) -> list[tuple[str, list[int]]]:
+        """Words of ``text`` as (normalized word, original index of each of its characters).
+
+        ``base`` is added to every index (the position of ``text`` inside the full input).
+        """
+        cache = self._cache
+        words: list[tuple[str, list[int]]] = []
+        chars: list[str] = []
+        pos: list[int] = []
+        for i, ch in enumerate(text, base):
+            pieces = cache.get(ch)
+            if pieces is None:
+                pieces = cache[ch] = self._classify(ch)
+            for c, kind in pieces:
+                if kind == _WORD:
+                    chars.append(c)
+                    pos.append(i)
+                    continue
+                if chars:
+                    words.append(("".join(chars), pos))
+                    chars, pos = [], []
+                if kind == _ISOLATED:
+                    words.append((c, [i]))
+        if chars:
+            words.append(("".join(chars), pos))
+        return words
+
+
+# ----------------------------------------------------------------------------------------------
+# Vocabulary
+# ----------------------------------------------------------------------------------------------
+
+def load_vocab(path: str | Path) -> list[str]:
+    """Tokens of a vocab.txt, one per line, id = line number. Lines end at "\\n" only (the Chinese
+    vocabulary holds a U+2028 token, which str.splitlines would split)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "vocab.txt"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"vocab file not found: {path}. Pass a BERT vocab.txt (one token per line) or a checkpoint "
+            f"directory that holds one; `fastbert vocab --corpus FILES --out vocab.txt` trains one.")
+    try:
+        with open(path, encoding="utf-8") as f:
+            tokens = [line.rstrip("\n") for line in f]
+    except UnicodeDecodeError as e:
+        raise ValueError(f"vocab file {path} is not UTF-8 ({e}); re-save it as UTF-8, one token per line") from None
+    if not tokens:
+        raise ValueError(f"vocab file {path} is empty; it needs one token per line, including [UNK]")
+    return tokens
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer
+# ----------------------------------------------------------------------------------------------
+
+class ReferenceTokenizer:
+    """BERT WordPiece tokenizer in plain Python, with the results of HF ``BertTokenizerFast``.
+
+    Args:
+        vocab_path: a vocab.txt (or a directory holding one).
+        lowercase: lowercase the text (uncased vocabularies). HF's ``do_lower_case``.
+        strip_accents: NFD + drop non-spacing marks; ``None`` follows ``lowercase`` (as HF).
+        tokenize_chinese_chars: give each CJK ideograph its own word.
+        max_input_chars_per_word: longer words become one [UNK].
+        model_max_length: default ``max_length`` when truncating with ``max_length=None``.
+    """
+
+    def __init__(self, vocab_path: str | Path, lowercase: bool = True, strip_accents: bool | None = None,
+                 tokenize_chinese_chars: bool = True, max_input_chars_per_word: int = 100,
+                 unk_token: str = "[UNK]", sep_token: str = "[SEP]", pad_token: str = "[PAD]",
+                 cls_token: str = "[CLS]", mask_token: str = "[MASK]", model_max_length: int | None = None):
+        self.vocab_path = Path(vocab_path)
+        tokens = load_vocab(vocab_path)
+        self.ids_to_tokens: list[str] = tokens
+        self.vocab: dict[str, int] = {tok: i for i, tok in enumerate(tokens)}  # a repeated line: last id wins, as HF
+        self.lowercase = bool(lowercase)
+        self.strip_accents = strip_accents
+        self.tokenize_chinese_chars = bool(tokenize_chinese_chars)
+        if max_input_chars_per_word < 1:
+            raise ValueError(f"max_input_chars_per_word must be >= 1, got {max_input_chars_per_word}")
+        self.max_input_chars_per_word = int(max_input_chars_per_word)
+        self.model_max_length = None if model_max_length is None or model_max_length >= _NO_LIMIT else int(model_max_length)
+        self.unk_token, self.sep_token, self.pad_token = unk_token, sep_token, pad_token
+        self.cls_token, self.mask_token = cls_token, mask_token
+        if unk_token not in self.vocab:
+            raise ValueError(
+                f"vocab file {self.vocab_path} has no unknown token {unk_token!r}. Add a line {unk_token} "
+                f"(BERT vocabularies have it at id 100) or pass unk_token= the token your vocabulary uses.")
+        self.basic = BasicTokenizer(lowercase, strip_accents, tokenize_chinese_chars)
+        # Longest token in characters, without "##": bounds the longest-match search.
+        self._max_piece_chars = max(len(t[2:] if t.startswith("##") else t) for t in tokens)
+        specials = [t for t in self.all_special_tokens if t in self.vocab]
+        # Leftmost match, longest first (like HF's added-token matcher).
+        self._special_re = (re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
+                            if specials else None)
+        self._special_first_chars = {t[0] for t in specials if t}
+        self._word_cache: dict[str, list[tuple[int, int, int]]] = {}
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, **kwargs) -> "ReferenceTokenizer":
+        """Load vocab.txt and tokenizer_config.json (do_lower_case, strip_accents,
+        tokenize_chinese_chars, model_max_length, special tokens) of an HF checkpoint directory.
+        Keyword arguments override the file."""
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise FileNotFoundError(f"tokenizer directory not found: {directory}; pass a directory with vocab.txt "
+                                    f"(and optionally tokenizer_config.json), or a vocab.txt to ReferenceTokenizer()")
+        options: dict = {}
+        config_path = directory / "tokenizer_config.json"
+        if config_path.is_file():
+            try:
+                config = json.loads(config_path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{config_path} is not valid JSON ({e}); fix or delete it") from None
+            if "do_lower_case" in config:
+                options["lowercase"] = bool(config["do_lower_case"])
+            for key in ("strip_accents", "tokenize_chinese_chars", "model_max_length", "max_input_chars_per_word"):
+                if config.get(key) is not None:
+                    options[key] = config[key]
+            for key in SPECIAL_TOKEN_NAMES:
+                value = config.get(key)
+                if isinstance(value, dict):  # serialized AddedToken
+                    value = value.get("content")
+                if isinstance(value, str):
+                    options[key] = value
+        options.update(kwargs)
+        return cls(directory / "vocab.txt", **options)
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write vocab.txt and tokenizer_config.json (atomically) so that from_pretrained, and HF, load them."""
+        from fastbert.io import atomic_write_text
+        directory = Path(directory)
+        atomic_write_text(directory / "vocab.txt", "".join(t + "\n" for t in self.ids_to_tokens))
+        config = {"tokenizer_class": "BertTokenizer", "do_lower_case": self.lowercase,
+                  "strip_accents": self.strip_accents, "tokenize_chinese_chars": self.tokenize_chinese_chars,
+                  "max_input_chars_per_word": self.max_input_chars_per_word,
+                  **{name: getattr(self, name) for name in SPECIAL_TOKEN_NAMES}}
+        if self.model_max_length is not None:
+            config["model_max_length"] = self.model_max_length
+        atomic_write_text(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+
+    # -- special tokens ------------------------------------------------------------------------
+
+    def _special_id(self, name: str) -> int:
+        token = getattr(self, name)
+        idx = self.vocab.get(token)
+        if idx is None:
+            raise ValueError(f"vocab file {self.vocab_path} has no {token!r} token ({name}), which this call needs. "
+                             f"Add it to the vocabulary (BERT: [PAD]=0, [UNK]=100, [CLS]=101, [SEP]=102, "
+                             f"[MASK]=103) or pass {name}= the token your vocabulary uses.")
+        return idx
+
+    unk_token_id = property(lambda self: self._special_id("unk_token"))
+    sep_token_id = property(lambda self: self._special_id("sep_token"))
+    pad_token_id = property(lambda self: self._special_id("pad_token"))
+    cls_token_id = property(lambda self: self._special_id("cls_token"))
+    mask_token_id = property(lambda self: self._special_id("mask_token"))
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        return [getattr(self, name) for name in SPECIAL_TOKEN_NAMES]
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        """Ids of the special tokens present in the vocabulary."""
+        return [self.vocab[t] for t in self.all_special_tokens if t in self.vocab]
+
+    def is_special(self, token_or_id: str | int) -> bool:
+        if isinstance(token_or_id, str):
+            return token_or_id in self.all_special_tokens
+        return int(token_or_id) in self.all_special_ids
+
+    def get_special_tokens_mask(self, ids) -> list[int]:
+        """1 where ``ids`` holds a special token ([CLS], [SEP], [PAD], [MASK], [UNK]), else 0."""
+        special = set(self.all_special_ids)
+        return [int(i in special) for i in _to_list(ids)]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.ids_to_tokens)
+
+    def __len__(self) -> int:
+        return len(self.ids_to_tokens)
+
+    def __repr__(self) -> str:
+        return (f"ReferenceTokenizer({str(self.vocab_path)!r}, vocab_size={self.vocab_size}, lowercase={self.lowercase}, "
+                f"strip_accents={self.strip_accents}, tokenize_chinese_chars={self.tokenize_chinese_chars})")
+
+    # -- tokenization --------------------------------------------------------------------------
+
+    def _wordpiece(self, word: str) -> list[tuple[int, int, int]]:
+        """(id, start, end) of the pieces of one normalized word; start/end index its characters."""
+        cached = self._word_cache.get(word)
+        if cached is not None:
+            return cached
+        vocab, n = self.vocab, len(word)
+        pieces: list[tuple[int, int, int]] = []
+        if n > self.max_input_chars_per_word:
+            pieces = [(self.vocab[self.unk_token], 0, n)]
+        else:
+            start = 0
+            while start < n:
+                for end in range(min(n, start + self._max_piece_chars), start, -1):
+                    idx = vocab.get(word[start:end] if start == 0 else "##" + word[start:end])
+                    if idx is not None:
+                        pieces.append((idx, start, end))
+                        start = end
+                        break
+                else:  # no piece matches at `start`: the whole word is unknown
+                    pieces = [(self.vocab[self.unk_token], 0, n)]
+                    break
+        if len(self._word_cache) > 200_000:
+            self._word_cache.clear()
+        self._word_cache[word] = pieces
+        return pieces
+
+    def _encode_text(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and (start, end) character offsets into ``text`` of one text, without [CLS]/[SEP]."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        segments = [(0, len(text), None)]
+        if self._special_re is not None and any(c in text for c in self._special_first_chars):
+            segments, last = [], 0
+            for m in self._special_re.finditer(text):
+                segments.append((last, m.start(), None))
+                segments.append((m.start(), m.end(), self.vocab[m.group()]))
+                last = m.end()
+            segments.append((last, len(text), None))
+        for start, end, special_id in segments:
+            if special_id is not None:
+                ids.append(special_id)
+                offsets.append((start, end))
+                continue
+            for word, pos in self.basic.split(text[start:end], base=start):
+                for idx, s, e in self._wordpiece(word):
+                    ids.append(idx)
+                    offsets.append((pos[s], pos[e - 1] + 1))
+        return ids, offsets
+
+    def tokenize(self, text: str) -> list[str]:
+        """WordPiece tokens of ``text`` (no [CLS]/[SEP])."""
+        return [self.ids_to_tokens[i] for i in self._encode_text(text)[0]]
+
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | list[int]:
+        """Id of each token; tokens not in the vocabulary give the [UNK] id."""
+        unk = self.unk_token_id
+        if isinstance(tokens, str):
+            return self.vocab.get(tokens, unk)
+        return [self.vocab.get(t, unk) for t in tokens]
+
+    def convert_ids_to_tokens(self, ids, skip_special_tokens: bool = False) -> str | list[str]:
+        if isinstance(ids, int) or (hasattr(ids, "ndim") and ids.ndim == 0):
+            return self.ids_to_tokens[self._check_id(int(ids))]
+        special = set(self.all_special_ids) if skip_special_tokens else ()
+        return [self.ids_to_tokens[self._check_id(i)] for i in _to_list(ids) if i not in special]
+
+    def _check_id(self, i: int) -> int:
+        if not 0 <= i < len(self.ids_to_tokens):
+            raise ValueError(f"token id {i} is out of range for the vocabulary of {len(self.ids_to_tokens)} tokens "
+                             f"({self.vocab_path}); were the ids made with another vocabulary?")
+        return i
+
+    # -- encoding ------------------------------------------------------------------------------
+
+    def encode(self, text: str, text_pair: str | None = None, add_special_tokens: bool = True,
+               max_length: int | None = None, truncation: bool | str = True, padding: bool | str = False,
+               return_offsets: bool = False, pad_to_multiple_of: int | None = None) -> dict:
+        """Encode one text (or pair) as ``[CLS] a [SEP] (b [SEP])``.
+
+        Returns a dict of lists: ``input_ids``, ``token_type_ids``, ``attention_mask`` and, with
+        ``return_offsets``, ``offsets``: (start, end) character positions in the original text of
+        each token, (0, 0) for [CLS]/[SEP]/padding.
+
+        truncation: True / "longest_first" (HF's: trim the longer of a pair), "only_first",
+            "only_second", or False. With ``max_length=None`` it truncates to ``model_max_length``.
+        padding: False, "longest" / True (no-op for one text), or "max_length".
+        """
+        strategy = _truncation_strategy(truncation)
+        max_length = self._resolve_max_length(max_length, strategy, padding)
+        enc = self._encode_one(text, text_pair, add_special_tokens, max_length, strategy)
+        target = _padded_length(len(enc["input_ids"]), padding, max_length, pad_to_multiple_of)
+        return self._finish(enc, target, return_offsets)
+
+    def encode_batch(self, texts: list[str], text_pairs: list[str] | None = None, add_special_tokens: bool = True,
+                     max_length: int | None = None, truncation: bool | str = True, padding: bool | str = False,
+                     return_offsets: bool = False, pad_to_multiple_of: int | None = None) -> dict:
+        """Encode a list of texts (or pairs). Returns a dict of lists of lists, as ``encode``;
+        ``padding="longest"`` pads every row to the longest row of the batch."""
+        if isinstance(texts, str):
+            raise TypeError("encode_batch takes a list of texts; use encode() for one text")
+        texts = list(texts)
+        if text_pairs is not None:
+            text_pairs = list(text_pairs)
+            if len(text_pairs) != len(texts):
+                raise ValueError(f"texts and text_pairs differ in length ({len(texts)} != {len(text_pairs)})")
+        strategy = _truncation_strategy(truncation)
+        max_length = self._resolve_max_length(max_length, strategy, padding)
+        encs = [self._encode_one(t, None if text_pairs is None else text_pairs[i], add_special_tokens,
+                                 max_length, strategy) for i, t in enumerate(texts)]
+        longest = max((len(e["input_ids"]) for e in encs), default=0)
+        target = _padded_length(longest, padding, max_length, pad_to_multiple_of)
+        rows = [self._finish(e, target, return_offsets) for e in encs]
+        keys = ["input_ids", "token_type_ids", "attention_mask"] + (["offsets"] if return_offsets else [])
+        return {k: [r[k] for r in rows] for k in keys}
+
+    def _resolve_max_length(self, max_length, strategy, padding) -> int | None:
+        if max_length is None and (strategy is not None or padding == "max_length"):
+            max_length = self.model_max_length
+        if padding == "max_length" and max_length is None:
+            raise ValueError("padding='max_length' needs max_length (or a tokenizer with model_max_length)")
+        if max_length is not None and max_length < 0:
+            raise ValueError(f"max_length must be >= 0, got {max_length}")
+        return max_length
+
+    def _encode_one(self, text, text_pair, add_special_tokens, max_length, strategy) -> dict:
+        a, a_off = self._encode_text(text)
+        b, b_off = self._encode_text(text_pair) if text_pair is not None else (None, None)
+        n_special = (3 if b is not None else 2) if add_special_tokens else 0
+        if strategy is not None and max_length is not None:
+            budget = max_length - n_special
+            if budget < 0:
+                raise ValueError(f"max_length={max_length} is too short for the {n_special} special tokens "
+                                 f"[CLS]/[SEP]; use max_length >= {n_special}")
+            len_a, len_b = _truncated_lengths(len(a), None if b is None else len(b), budget, strategy)
+            a, a_off = a[:len_a], a_off[:len_a]
+            if b is not None:
+                b, b_off = b[:len_b], b_off[:len_b]
+        if add_special_tokens:
+            cls, sep = self.cls_token_id, self.sep_token_id
+            ids = [cls] + a + [sep]
+            offsets = [(0, 0)] + a_off + [(0, 0)]
+            if b is not None:
+                ids += b + [sep]
+                offsets += b_off + [(0, 0)]
+            n_first = len(a) + 2
+        else:
+            ids, offsets = a + (b or []), a_off + (b_off or [])
+            n_first = len(a)
+        types = [0] * n_first + [1] * (len(ids) - n_first)
+        return {"input_ids": ids, "token_type_ids": types, "offsets": offsets}
+
+    def _finish(self, enc: dict, target: int, return_offsets: bool) -> dict:
+        ids, types, offsets = enc["input_ids"], enc["token_type_ids"], enc["offsets"]
+        mask = [1] * len(ids)
+        pad = target - len(ids)
+        if pad > 0:
+            ids = ids + [self.pad_token_id] * pad
+            types = types + [0] * pad
+            mask = mask + [0] * pad
+            offsets = offsets + [(0, 0)] * pad
+        out = {"input_ids": ids, "token_type_ids": types, "attention_mask": mask}
+        if return_offsets:
+            out["offsets"] = offsets
+        return out
+
+    def __call__(self, text, text_pair=None, add_special_tokens: bool = True, padding: bool | str = False,
+                 truncation: bool | str | None = None, max_length: int | None = None,
+                 pad_to_multiple_of: int | None = None, return_tensors: str | None = None,
+                 return_token_type_ids: bool = True, return_attention_mask: bool = True,
+                 return_offsets_mapping: bool = False, return_special_tokens_mask: bool = False) -> dict:
+        """Like HF ``tokenizer(text, text_pair, ...)``: a str gives lists, a list of str gives lists of
+        lists. ``truncation=None`` truncates only when ``max_length`` is given (HF's default);
+        offsets are returned as ``offset_mapping``; ``return_tensors`` may be "np" or "pt"."""
+        if truncation is None:
+            truncation = max_length is not None
+        if padding == "do_not_pad":
+            padding = False
+        batched = not isinstance(text, str)
+        if batched:
+            if text_pair is not None and isinstance(text_pair, str):
+                raise TypeError("text is a list but text_pair is a str; pass a list of pairs")
+            enc = self.encode_batch(text, text_pair, add_special_tokens, max_length, truncation, padding,
+                                    True, pad_to_multiple_of)
+        else:
+            enc = self.encode(text, text_pair, add_special_tokens, max_length, truncation, padding,
+                              True, pad_to_multiple_of)
+        offsets = enc.pop("offsets")
+        if return_offsets_mapping:
+            enc["offset_mapping"] = offsets
+        if return_special_tokens_mask:
+            special = set(self.all_special_ids)
+            rows = enc["input_ids"] if batched else [enc["input_ids"]]
+            masks = [[int(i in special) for i in row] for row in rows]
+            enc["special_tokens_mask"] = masks if batched else masks[0]
+        if not return_token_type_ids:
+            del enc["token_type_ids"]
+        if not return_attention_mask:
+            del enc["attention_mask"]
+        if return_tensors is not None:
+            enc = _as_tensors(enc, return_tensors)
+        return enc
+
+    # -- decoding ------------------------------------------------------------------------------
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``: pieces joined by spaces, "##" continuations glued on, and HF's per-token
+        clean-up (" ." -> ".", " ," -> ",", " n't" -> "n't", ...)."""
+        tokens = self.convert_ids_to_tokens(_to_list(ids), skip_special_tokens=skip_special_tokens)
+        parts = []
+        for i, tok in enumerate(tokens):
+            if i > 0:
+                tok = tok[2:] if tok.startswith("##") else " " + tok
+            parts.append(_cleanup(tok))
+        return "".join(parts)
+
+    def batch_decode(self, sequences, skip_special_tokens: bool = True) -> list[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in _to_list(sequences)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------
+
+def _cleanup(token: str) -> str:
+    """HF's WordPiece decoder clean-up, applied to each (space-prefixed) token."""
+    for dirty, clean in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                         (" 'm", "'m"), (" do not", " don't"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        token = token.replace(dirty, clean)
+    return token
+
+
+def _to_list(ids) -> list:
+    if hasattr(ids, "tolist"):  # numpy array / torch tensor
+        return ids.tolist()
+    return list(ids)
+
+
+def _truncation_strategy(truncation) -> str | None:
+    if truncation is True:
+        return "longest_first"
+    if truncation is False or truncation is None or truncation == "do_not_truncate":
+        return None
+    if truncation not in _TRUNCATION_STRATEGIES:
+        raise ValueError(f"unknown truncation {truncation!r}; use True, False or one of {_TRUNCATION_STRATEGIES}")
+    return truncation
+
+
+def _truncated_lengths(len_a: int, len_b: int | None, budget: int, strategy: str) -> tuple[int, int | None]:
+    """Lengths after truncation to ``budget`` tokens, as HF tokenizers' ``truncate_encodings``."""
+    if len_b is None:
+        if strategy == "only_second":
+            raise ValueError("truncation='only_second' needs a text pair")
+        return min(len_a, budget), None
+    total = len_a + len_b
+    if total <= budget:
+        return len_a, len_b
+    if budget == 0:  # HF empties both sequences, whatever the strategy
+        return 0, 0
+    if strategy == "longest_first":
+        # The shorter keeps its length if the longer can absorb the cut; otherwise both get half.
+        n1, n2 = sorted((len_a, len_b))
+        n2 = n1 if n1 > budget else max(n1, budget - n1)
+        if n1 + n2 > budget:
+            n1 = budget // 2
+            n2 = n1 + budget % 2
+        return (n2, n1) if len_a > len_b else (n1, n2)
+    to_remove = total - budget
+    target = len_a if strategy == "only_first" else len_b
+    if target <= to_remove:
+        which = "first" if strategy == "only_first" else "second"
+        raise ValueError(f"truncation={strategy!r} cannot fit max_length: the {which} sequence has {target} tokens "
+                         f"but {to_remove} must go; use truncation='longest_first' or a larger max_length")
+    if strategy == "only_first":
+        return len_a - to_remove, len_b
+    return len_a, len_b - to_remove
+
+
+def _padded_length(longest: int, padding, max_length: int | None, pad_to_multiple_of: int | None) -> int:
+    if padding is True:
+        padding = "longest"
+    if padding is False or padding is None:
+        return 0
+    if padding == "longest":
+        target = longest
+    elif padding == "max_length":  # rows longer than max_length (no truncation) stay as they are, as HF
+        target = max_length
+    else:
+        raise ValueError(f"unknown padding {padding!r}; use False, True / 'longest' or 'max_length'")
+    if pad_to_multiple_of:
+        target = -(-target // pad_to_multiple_of) * pad_to_multiple_of
+    return target
+
+
+def _as_tensors(enc: dict, kind: str) -> dict:
+    if kind not in ("np", "pt"):
+        raise ValueError(f"return_tensors must be None, 'np' or 'pt', got {kind!r}")
+    import numpy as np
+    out = {}
+    for key, value in enc.items():
+        try:
+            arr = np.asarray(value, dtype=np.int64)
+        except ValueError:
+            raise ValueError(f"return_tensors={kind!r} needs rows of equal length; pass padding=True "
+                             f"or padding='max_length'") from None
+        if kind == "pt":
+            import torch
+            arr = torch.from_numpy(arr)
+        out[key] = arr
+    return out
+
+
+__all__ = ["ReferenceTokenizer", "BasicTokenizer", "load_vocab", "is_whitespace", "is_control",
+           "is_punctuation", "is_chinese_char"]
