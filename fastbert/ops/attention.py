@@ -4,7 +4,8 @@
 ``cu_seqlens`` ``(batch + 1,)``. Returns ``(total_tokens, heads, head_dim)``.
 
 Top to bottom: the plain-PyTorch reference (pads per sequence internally), the Triton kernels
-(flash-style forward that stores the log-sum-exp; backward as preprocess (delta), dK/dV and dQ),
+(flash-style forward that stores the log-sum-exp; backward as dQ (which also computes the
+softmax row term delta) then dK/dV),
 the host wrappers ``varlen_attention_forward`` / ``varlen_attention_backward``, the torch custom
 ops that let ``torch.compile`` wrap them, the ``autograd.Function`` and ``varlen_attention``.
 """
@@ -141,21 +142,6 @@ def _fwd_kernel(
     tl.store(LSE + head * stride_lse_h + start + offs_m, m_i + tl.math.log2(l_safe), mask=mask_m)
 
 
-@_jit
-def _bwd_preprocess_kernel(O, DO, DELTA, stride_ot, stride_oh, stride_dot, stride_doh, stride_delta_h, total,
-                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
-    """``delta[h, t] = sum_d O[t, h, d] * dO[t, h, d]`` (fp32), the softmax-backward row term."""
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    head = tl.program_id(1)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_t < total)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    o = tl.load(O + offs_t[:, None].to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :],
-                mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + offs_t[:, None].to(tl.int64) * stride_dot + head * stride_doh + offs_d[None, :],
-                 mask=mask, other=0.0).to(tl.float32)
-    tl.store(DELTA + head * stride_delta_h + offs_t, tl.sum(o * do, 1), mask=offs_t < total)
-
-
 @_jit(do_not_specialize=["seed", "max_seqlen"])
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS,
@@ -224,14 +210,18 @@ def _bwd_dkdv_kernel(
 
 @_jit(do_not_specialize=["seed", "max_seqlen"])
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, CU_SEQLENS,
+    Q, K, V, O, DO, LSE, DELTA, DQ, CU_SEQLENS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dqt, stride_dqh,
+    stride_ot, stride_oh, stride_dqt, stride_dqh,
     stride_lse_h, nheads, qk_scale, softmax_scale, dropout_p, seed, max_seqlen,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One program = one block of BLOCK_M queries of one (sequence, head), looping over its keys."""
+    """One program = one block of BLOCK_M queries of one (sequence, head), looping over its keys.
+
+    It also computes and stores ``delta = rowsum(O * dO)`` (fp32), the softmax-backward row term
+    the dK/dV kernel reads, which therefore runs after this one: no separate preprocess pass.
+    """
     pid_m = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
@@ -251,8 +241,11 @@ def _bwd_dq_kernel(
                 mask=mask_md, other=0.0)
     do = tl.load(DO + start64 * stride_dot + head * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
                  mask=mask_md, other=0.0)
+    o = tl.load(O + start64 * stride_ot + head * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
+                mask=mask_md, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + head * stride_lse_h + start + offs_m, delta, mask=mask_m)
     lse = tl.load(LSE + head * stride_lse_h + start + offs_m, mask=mask_m, other=0.0)
-    delta = tl.load(DELTA + head * stride_lse_h + start + offs_m, mask=mask_m, other=0.0)
     k_base = K + start64 * stride_kt + head * stride_kh
     v_base = V + start64 * stride_vt + head * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -293,7 +286,6 @@ _GPU_CONFIGS = {
     ("dq", 128): (64, 32, 4, 2),
 }
 _INTERPRETER_CONFIG = (32, 32, 1, 1)
-_PREPROCESS_BLOCK_T = 64
 
 
 def _interpreting() -> bool:
@@ -338,36 +330,40 @@ def varlen_attention_forward(q, k, v, cu_seqlens, max_seqlen: int, dropout_p: fl
 
 def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, dropout_p: float,
                               softmax_scale: float, seed: int):
-    """Returns ``dq, dk, dv``, each ``(T, nh, hd)`` contiguous."""
+    """Returns ``dq, dk, dv``, each ``(T, nh, hd)``: views of one ``(T, 3, nh, hd)`` buffer."""
+    return _backward_packed(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, softmax_scale,
+                            seed).unbind(1)
+
+
+def _backward_packed(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, dropout_p: float, softmax_scale: float,
+                     seed: int):
+    """The gradients as one ``(T, 3, nh, hd)`` tensor (custom ops may not return aliasing outputs)."""
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     total, nheads, head_dim = q.shape
-    dq = torch.empty((total, nheads, head_dim), dtype=q.dtype, device=q.device)
-    dk = torch.empty((total, nheads, head_dim), dtype=k.dtype, device=q.device)
-    dv = torch.empty((total, nheads, head_dim), dtype=v.dtype, device=q.device)
+    dqkv = torch.empty((total, 3, nheads, head_dim), dtype=q.dtype, device=q.device)
+    dq, dk, dv = dqkv.unbind(1)  # (T, nh, hd) each
     batch = cu_seqlens.shape[0] - 1
     if total == 0 or batch == 0 or max_seqlen == 0:
-        return dq, dk, dv
+        return dqkv
     consts = _kernel_constants(q, dropout_p)
     delta = torch.empty((nheads, total), dtype=torch.float32, device=q.device)
-    _bwd_preprocess_kernel[(triton.cdiv(total, _PREPROCESS_BLOCK_T), nheads)](
-        out, dout, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), delta.stride(0), total,
-        HEAD_DIM=head_dim, BLOCK_D=consts["BLOCK_D"], BLOCK_T=_PREPROCESS_BLOCK_T)
     common = (lse.stride(0), nheads, softmax_scale * _LOG2E, softmax_scale, dropout_p, seed, max_seqlen)
     strides_in = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                   dout.stride(0), dout.stride(1))
+
+    block_m, block_n, warps, stages = _launch_config("dq", head_dim, max_seqlen, q.device)
+    _bwd_dq_kernel[(triton.cdiv(max_seqlen, block_m), batch, nheads)](  # writes delta: runs first
+        q, k, v, out, dout, lse, delta, dq, cu_seqlens, *strides_in, out.stride(0), out.stride(1),
+        dq.stride(0), dq.stride(1), *common,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **consts)
 
     block_m, block_n, warps, stages = _launch_config("dkdv", head_dim, max_seqlen, q.device)
     _bwd_dkdv_kernel[(triton.cdiv(max_seqlen, block_n), batch, nheads)](
         q, k, v, dout, lse, delta, dk, dv, cu_seqlens, *strides_in,
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *common,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **consts)
-
-    block_m, block_n, warps, stages = _launch_config("dq", head_dim, max_seqlen, q.device)
-    _bwd_dq_kernel[(triton.cdiv(max_seqlen, block_m), batch, nheads)](
-        q, k, v, dout, lse, delta, dq, cu_seqlens, *strides_in, dq.stride(0), dq.stride(1), *common,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **consts)
-    return dq, dk, dv
+    return dqkv
 
 
 # ============================================================================ torch custom ops
@@ -382,9 +378,9 @@ def _register_custom_ops():
             schema="(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, SymInt max_seqlen, float dropout_p, "
                    "float softmax_scale, int seed) -> (Tensor, Tensor)")
         bwd = torch.library.custom_op(
-            "fastbert::varlen_attention_bwd", varlen_attention_backward, mutates_args=(),
+            "fastbert::varlen_attention_bwd", _backward_packed, mutates_args=(),
             schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens, "
-                   "SymInt max_seqlen, float dropout_p, float softmax_scale, int seed) -> (Tensor, Tensor, Tensor)")
+                   "SymInt max_seqlen, float dropout_p, float softmax_scale, int seed) -> Tensor")
     except (AttributeError, RuntimeError, TypeError, ValueError):  # old torch, or registered twice
         return None, None
 
@@ -395,7 +391,8 @@ def _register_custom_ops():
 
     @bwd.register_fake
     def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
-        return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
+        total, nheads, head_dim = q.shape
+        return q.new_empty((total, 3, nheads, head_dim))
 
     return fwd, bwd
 
@@ -421,8 +418,8 @@ class VarlenAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-        bwd = _bwd_op if (_bwd_op is not None and _compiling()) else varlen_attention_backward
-        dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_seqlens, *ctx.args)
+        bwd = _bwd_op if (_bwd_op is not None and _compiling()) else _backward_packed
+        dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_seqlens, *ctx.args).unbind(1)  # (T, nh, hd) each
         return dq, dk, dv, None, None, None, None, None
 
 

@@ -1,0 +1,314 @@
+"""Varlen flash attention (fastbert, Triton) vs torch ``F.scaled_dot_product_attention`` on BERT shapes.
+
+For every (B, H, S, D) and length distribution, FIRST checks correctness on the card (fastbert's
+output and dq/dk/dv against an fp32 reference, within 2x SDPA's own bf16 error + atol), then times
+forward and forward+backward with CUDA events (``triton.testing.do_bench``, median):
+
+  full     every sequence S tokens: SDPA without a mask (its flash backend)
+  uniform  lengths uniform in [0.3 S, S]: SDPA on the padded batch with a boolean key-padding mask
+  wiki     lengths of real Wikipedia paragraphs (bert-base WordPiece, benchmarks/data), clipped to S
+
+fastbert runs on the unpadded tokens only (the encoder unpads once per model, not per layer).
+TFLOP/s count real tokens only, for every provider: forward 4 * H * D * sum(len^2) (QK^T and PV),
+forward+backward 3.5x that (the backward's five GEMMs = 2.5x forward). Padding work is never credited.
+
+  python3 benchmarks/bench_attention.py                 # table + $OUT/bench_attention.json
+  python3 benchmarks/bench_attention.py --sweep         # also re-measure the kernels' launch configs
+  python3 -m pytest benchmarks/bench_attention.py       # pytest-benchmark (needs CUDA)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from fastbert.ops import attention as attn  # noqa: E402
+from fastbert.ops.attention import varlen_attention, varlen_attention_ref  # noqa: E402
+
+SHAPES = [(64, 16, 128, 64), (64, 12, 128, 64), (16, 16, 512, 64), (32, 12, 512, 64)]
+DISTS = ("full", "uniform", "wiki")
+ATOL_BF16 = 1e-2
+
+
+# ---------------------------------------------------------------------------------- cases
+def sample_lengths(dist: str, batch: int, seq: int, rng: np.random.Generator) -> list[int]:
+    if dist == "full":
+        return [seq] * batch
+    if dist == "uniform":
+        return rng.integers(math.ceil(0.3 * seq), seq + 1, size=batch).tolist()
+    counts = np.array(json.loads((HERE / "data" / "wiki_paragraph_lengths.json").read_text())["counts"], float)
+    counts[:3] = 0  # a sequence has at least [CLS] x [SEP]
+    return np.minimum(rng.choice(len(counts), size=batch, p=counts / counts.sum()), seq).tolist()
+
+
+@dataclass
+class Case:
+    batch: int
+    heads: int
+    seq: int
+    head_dim: int
+    dist: str
+    lengths: list
+    qkv: torch.Tensor        # (T, 3, H, D) leaf: real tokens only
+    dout: torch.Tensor       # (T, H, D)
+    cu_seqlens: torch.Tensor
+    padded: tuple            # q, k, v (B, H, S, D) leaves, padding zero
+    dout_padded: torch.Tensor
+    key_mask: torch.Tensor | None  # (B, 1, 1, S) bool, None when every sequence is full
+
+    @property
+    def fill(self) -> float:
+        return sum(self.lengths) / (self.batch * self.seq)
+
+    def flops(self, pass_: str) -> float:
+        fwd = 4.0 * self.heads * self.head_dim * sum(n * n for n in self.lengths)
+        return fwd if pass_ == "fwd" else 3.5 * fwd
+
+
+def make_case(shape, dist, dtype=torch.bfloat16, seed=0) -> Case:
+    batch, heads, seq, head_dim = shape
+    rng = np.random.default_rng(seed)
+    lengths = sample_lengths(dist, batch, seq, rng)
+    cu = torch.zeros(batch + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    cu = cu.cuda()
+    total = sum(lengths)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    qkv = torch.randn(total, 3, heads, head_dim, device="cuda", generator=g).to(dtype)
+    dout = torch.randn(total, heads, head_dim, device="cuda", generator=g).to(dtype)
+    real = torch.arange(seq, device="cuda")[None, :] < torch.tensor(lengths, device="cuda")[:, None]  # (B, S)
+    idx = real.flatten().nonzero().flatten()
+
+    def to_padded(x):  # (T, H, D) -> (B, H, S, D)
+        out = x.new_zeros(batch * seq, heads, head_dim).index_copy(0, idx, x)
+        return out.view(batch, seq, heads, head_dim).transpose(1, 2).contiguous()
+
+    padded = tuple(to_padded(qkv[:, i]).requires_grad_() for i in range(3))
+    key_mask = None if dist == "full" else real[:, None, None, :]
+    return Case(batch, heads, seq, head_dim, dist, lengths, qkv.requires_grad_(), dout, cu, padded,
+                to_padded(dout), key_mask)
+
+
+def unpad_bhsd(x: torch.Tensor, case: Case) -> torch.Tensor:
+    """(B, H, S, D) -> (T, H, D) real tokens."""
+    real = torch.arange(case.seq, device=x.device)[None, :] < torch.tensor(case.lengths, device=x.device)[:, None]
+    return x.transpose(1, 2).reshape(case.batch * case.seq, case.heads, case.head_dim)[real.flatten()]
+
+
+# ---------------------------------------------------------------------------------- providers
+def fastbert_fwd(case, dropout_p=0.0):
+    q, k, v = case.qkv.unbind(1)  # (T, H, D) views of the packed projection, as in the model
+    return varlen_attention(q, k, v, case.cu_seqlens, max(case.lengths), dropout_p=dropout_p, seed=0)
+
+
+def sdpa_fwd(case):
+    q, k, v = case.padded
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=case.key_mask)
+
+
+def fwd_bwd(fwd, inputs, dout):
+    def step():
+        out = fwd()
+        torch.autograd.grad(out, inputs, dout)
+    return step
+
+
+def providers(case):
+    """name -> (forward fn, forward+backward fn)."""
+    fb = lambda: fastbert_fwd(case)  # noqa: E731
+    fb_drop = lambda: fastbert_fwd(case, 0.1)  # noqa: E731
+    sd = lambda: sdpa_fwd(case)  # noqa: E731
+    sdpa_name = "sdpa" if case.key_mask is None else "sdpa+mask"
+    return {
+        sdpa_name: (sd, fwd_bwd(sd, case.padded, case.dout_padded)),
+        "fastbert": (fb, fwd_bwd(fb, case.qkv, case.dout)),
+        "fastbert p=0.1": (fb_drop, fwd_bwd(fb_drop, case.qkv, case.dout)),
+    }
+
+
+# ---------------------------------------------------------------------------------- correctness
+def check(case) -> dict:
+    """fastbert and SDPA (bf16) vs an fp32 reference, real tokens only; raises on failure."""
+    qkv32 = case.qkv.detach().float().requires_grad_()
+    out32 = varlen_attention_ref(*qkv32.unbind(1), case.cu_seqlens, max(case.lengths))
+    (g32,) = torch.autograd.grad(out32, qkv32, case.dout.float())
+    out = fastbert_fwd(case)
+    (g,) = torch.autograd.grad(out, case.qkv, case.dout)
+    out_s = sdpa_fwd(case)
+    gs = torch.autograd.grad(out_s, case.padded, case.dout_padded)
+    errs = {"out": ((out.float() - out32).abs().max().item(), (unpad_bhsd(out_s, case).float() - out32).abs().max().item())}
+    for i, name in enumerate(("dq", "dk", "dv")):
+        errs[name] = ((g[:, i].float() - g32[:, i]).abs().max().item(),
+                      (unpad_bhsd(gs[i], case).float() - g32[:, i]).abs().max().item())
+    bad = {k: v for k, v in errs.items() if not (math.isfinite(v[0]) and v[0] <= 2 * v[1] + ATOL_BF16)}
+    if bad:
+        raise AssertionError(f"fastbert vs fp32 reference too far at {case_name(case)}: "
+                             + ", ".join(f"{k}: {a:.3g} (sdpa {b:.3g})" for k, (a, b) in bad.items()))
+    return {k: {"fastbert": a, "sdpa": b} for k, (a, b) in errs.items()}
+
+
+# ---------------------------------------------------------------------------------- timing
+def time_ms(fn) -> float:
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def host_us(fn, n=200) -> float:
+    """Wall-clock microseconds per call while the GPU queue is fed: the launch overhead floor."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
+
+
+def case_name(case) -> str:
+    return f"B={case.batch} H={case.heads} S={case.seq} D={case.head_dim} {case.dist}"
+
+
+def bench_case(case) -> list[dict]:
+    rows = []
+    for name, (fwd, step) in providers(case).items():
+        for pass_, fn in (("fwd", fwd), ("fwd+bwd", step)):
+            ms = time_ms(fn)
+            rows.append(dict(shape=[case.batch, case.heads, case.seq, case.head_dim], dist=case.dist,
+                             fill=round(case.fill, 3), provider=name, pass_=pass_, ms=ms,
+                             tflops=case.flops(pass_) / ms / 1e9, host_us=host_us(fn)))
+    for row in rows:  # speed-up over SDPA (with its mask where there is padding), same pass
+        base = next(r for r in rows if r["provider"].startswith("sdpa") and r["pass_"] == row["pass_"])
+        row["speedup_vs_sdpa"] = base["ms"] / row["ms"]
+    return rows
+
+
+# ---------------------------------------------------------------------------------- launch-config sweep
+SWEEP = {
+    "fwd": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3),
+            (64, 32, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3)],
+    "dq": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 4, 2),
+           (32, 64, 4, 3), (64, 128, 8, 2)],
+    "dkdv": [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2), (32, 128, 4, 2), (64, 128, 8, 2), (32, 128, 8, 3),
+             (16, 64, 4, 3), (64, 128, 4, 2)],
+}
+
+
+def sweep(cases) -> dict:
+    """Time each kernel under each candidate (BLOCK_M, BLOCK_N, warps, stages), the others at default."""
+    results = {}
+    default = dict(attn._GPU_CONFIGS)
+    for case in cases:
+        q, k, v = case.qkv.detach().unbind(1)
+        args = (case.cu_seqlens, max(case.lengths), 0.0, 1 / math.sqrt(case.head_dim), 0)
+        out, lse = attn.varlen_attention_forward(q, k, v, *args)
+        key = case_name(case)
+        results[key] = {}
+        for kind, candidates in SWEEP.items():
+            timings = []
+            for cfg in candidates:
+                attn._GPU_CONFIGS[(kind, 64)] = cfg
+                if kind == "fwd":
+                    fn = lambda: attn.varlen_attention_forward(q, k, v, *args)  # noqa: E731
+                else:
+                    fn = lambda: attn._backward_packed(case.dout, q, k, v, out, lse, *args)  # noqa: E731
+                try:
+                    timings.append((time_ms(fn), cfg))
+                except Exception as e:  # noqa: BLE001 - out of shared memory etc.: report, go on
+                    print(f"  sweep {kind} {cfg}: {type(e).__name__}: {str(e)[:80]}")
+            attn._GPU_CONFIGS.update(default)
+            timings.sort()
+            results[key][kind] = [{"config": list(c), "ms": t} for t, c in timings]
+            print(f"  sweep {key} {kind}: " + "  ".join(f"{c}={t * 1e3:.1f}us" for t, c in timings[:4]))
+    return results
+
+
+# ---------------------------------------------------------------------------------- script
+def print_table(rows):
+    print(f"\n{'shape (B,H,S,D)':<18}{'lengths':<9}{'fill':>5}  {'provider':<15}{'pass':<8}"
+          f"{'ms':>8}{'TFLOP/s':>9}{'host us':>9}{'vs SDPA':>9}")
+    for r in rows:
+        print(f"{str(tuple(r['shape'])):<18}{r['dist']:<9}{r['fill']:>5.2f}  {r['provider']:<15}{r['pass_']:<8}"
+              f"{r['ms']:>8.4f}{r['tflops']:>9.1f}{r['host_us']:>9.1f}{r['speedup_vs_sdpa']:>8.2f}x")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dists", default=",".join(DISTS), help="comma list of: " + ", ".join(DISTS))
+    ap.add_argument("--shapes", default=None, help="e.g. 64x16x128x64,16x16x512x64 (default: the four BERT shapes)")
+    ap.add_argument("--sweep", action="store_true", help="also time the kernels' launch-config candidates")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for bench_attention.json")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_attention needs a CUDA device", file=sys.stderr)
+        return 2
+    shapes = SHAPES if args.shapes is None else [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    dists = args.dists.split(",")
+    import triton
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                dtype="bfloat16", configs={f"{k[0]}/hd{k[1]}": v for k, v in attn._GPU_CONFIGS.items()})
+    print(json.dumps(meta))
+    result = dict(meta=meta, correctness={}, rows=[])
+    if args.sweep:
+        result["sweep"] = sweep([make_case((64, 16, 128, 64), "uniform"), make_case((16, 16, 512, 64), "full")])
+    for shape in shapes:
+        for dist in dists:
+            case = make_case(shape, dist)
+            result["correctness"][case_name(case)] = check(case)
+            print(f"correct: {case_name(case)} fill {case.fill:.2f}", flush=True)
+            result["rows"] += bench_case(case)
+            del case
+            torch.cuda.empty_cache()
+    print_table(result["rows"])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_attention.json").write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {out / 'bench_attention.json'}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------- pytest-benchmark
+try:
+    import pytest
+except ImportError:  # pragma: no cover - running as a script without pytest
+    pytest = None
+
+if pytest is not None:
+    _needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+    @_needs_cuda
+    @pytest.mark.parametrize("pass_", ["fwd", "fwd+bwd"])
+    @pytest.mark.parametrize("provider", ["fastbert", "sdpa"])
+    @pytest.mark.parametrize("dist", ["full", "uniform"])
+    @pytest.mark.parametrize("shape", SHAPES, ids=["x".join(map(str, s)) for s in SHAPES])
+    def test_attention(benchmark, shape, dist, provider, pass_):
+        case = make_case(shape, dist)
+        if provider == "fastbert":
+            check(case)
+        fns = providers(case)
+        fwd, step = fns["fastbert"] if provider == "fastbert" else next(v for k, v in fns.items() if k.startswith("sdpa"))
+        fn = fwd if pass_ == "fwd" else step
+        fn()
+
+        def run():
+            fn()
+            torch.cuda.synchronize()
+
+        benchmark.extra_info.update(fill=case.fill, flops=case.flops(pass_))
+        benchmark(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
