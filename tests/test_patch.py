@@ -19,6 +19,7 @@ import fastbert.patch  # noqa: E402,F401
 
 fp = sys.modules["fastbert.patch"]  # the module (fastbert.patch the attribute is the function)
 TOL = dict(rtol=1e-4, atol=1e-5)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # kernels="triton" needs CUDA or the interpreter
 LENGTHS = [17, 9, 1]
 
 
@@ -33,7 +34,7 @@ def tiny_config(**overrides):
 def make_model(cls, **overrides):
     torch.manual_seed(0)
     kwargs = {"num_labels": 3} if cls is BertForSequenceClassification else {}
-    return cls(tiny_config(**overrides, **kwargs)).train()
+    return cls(tiny_config(**overrides, **kwargs)).to(DEVICE).train()
 
 
 def make_batch(seed=1):
@@ -42,7 +43,7 @@ def make_batch(seed=1):
     mask = (torch.arange(seq)[None, :] < torch.tensor(LENGTHS)[:, None]).long()
     ids = torch.randint(1, 99, (batch, seq), generator=g) * mask          # pad id 0 at padding, as tokenizers do
     types = torch.randint(0, 2, (batch, seq), generator=g) * mask
-    return dict(input_ids=ids, attention_mask=mask, token_type_ids=types)
+    return {k: v.to(DEVICE) for k, v in dict(input_ids=ids, attention_mask=mask, token_type_ids=types).items()}
 
 
 def loss_and_outputs(model, batch, g_seed=2):
@@ -50,14 +51,15 @@ def loss_and_outputs(model, batch, g_seed=2):
     g = torch.Generator().manual_seed(g_seed)
     real = batch["attention_mask"].bool()
     if isinstance(model, BertForPreTraining):
-        labels = torch.where(real & (torch.rand(real.shape, generator=g) < 0.5), batch["input_ids"], -100)
-        out = model(**batch, labels=labels, next_sentence_label=torch.tensor([0, 1, 0]))
+        pick = torch.rand(real.shape, generator=g).to(DEVICE) < 0.5
+        labels = torch.where(real & pick, batch["input_ids"], -100)
+        out = model(**batch, labels=labels, next_sentence_label=torch.tensor([0, 1, 0], device=DEVICE))
         return out.loss, [out.prediction_logits[real], out.seq_relationship_logits]
     if isinstance(model, BertForSequenceClassification):
-        out = model(**batch, labels=torch.tensor([0, 2, 1]))
+        out = model(**batch, labels=torch.tensor([0, 2, 1], device=DEVICE))
         return out.loss, [out.logits]
     out = model(**batch, output_hidden_states=True, output_attentions=True)
-    w = torch.randn(out.last_hidden_state.shape, generator=g)
+    w = torch.randn(out.last_hidden_state.shape, generator=g).to(DEVICE)
     loss = (out.last_hidden_state * w)[real].sum() + out.pooler_output.sum()
     qmask = real[:, None, :, None].expand(-1, model.config.num_attention_heads, -1, real.shape[1])
     return loss, ([out.last_hidden_state[real], out.pooler_output]
@@ -112,7 +114,7 @@ def test_default_kernels_follow_the_input_device(monkeypatch):
     monkeypatch.setattr(fp, "get_ops", lambda k: seen.append(k) or real_get_ops(k))
     model = fp.patch(make_model(BertModel))
     model(**make_batch())
-    assert seen == ["torch"]  # CPU inputs; CUDA inputs would pick "triton"
+    assert seen == ["triton" if DEVICE == "cuda" else "torch"]
     fp.patch(model, kernels="triton")  # re-patching only switches kernels
     assert fp._find_bert(model)._fastbert_patch["kernels"] == "triton"
 
@@ -121,7 +123,7 @@ def test_return_tuple_inputs_embeds_and_position_ids():
     model, batch = make_model(BertModel), make_batch()
     real = batch["attention_mask"].bool()
     embeds = model.embeddings.word_embeddings(batch["input_ids"]).detach()
-    pos = torch.arange(17).flip(0).expand(3, 17)  # explicit, non-default position ids
+    pos = torch.arange(17, device=DEVICE).flip(0).expand(3, 17)  # explicit, non-default position ids
     ref = model(inputs_embeds=embeds, attention_mask=batch["attention_mask"], position_ids=pos)
     ref_ids = model(**batch, position_ids=pos, return_dict=False)
     fp.patch(model, kernels="torch")
@@ -178,7 +180,7 @@ def test_refuses_unsupported_models_and_inputs():
 
     model, batch = fp.patch(make_model(BertModel)), make_batch()
     with pytest.raises(fp.UnsupportedModelError, match="head_mask"):
-        model(**batch, head_mask=torch.ones(2, 2))
+        model(**batch, head_mask=torch.ones(2, 2, device=DEVICE))
     with pytest.raises(fp.UnsupportedModelError, match="past_key_values"):
         model(**batch, past_key_values=object())
     with pytest.raises(fp.UnsupportedModelError, match="attention_mask must be a"):

@@ -449,6 +449,14 @@ def _check_inputs(q, k, v, cu_seqlens, dropout_p):
         raise RuntimeError("varlen_attention needs triton: pip install triton (or use kernels='torch')")
 
 
+def _autocast_dtype(device: torch.device):
+    """The dtype torch.autocast runs attention in on ``device``, or None outside autocast."""
+    try:
+        return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+    except (TypeError, AttributeError):  # pragma: no cover - torch < 2.4
+        return torch.get_autocast_gpu_dtype() if device.type == "cuda" and torch.is_autocast_enabled() else None
+
+
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, seed=None):
     """Fused attention over unpadded sequences; same signature and semantics as ``varlen_attention_ref``.
 
@@ -457,6 +465,9 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_sca
     repeatable. The mask is regenerated in backward, never stored.
     """
     _check_inputs(q, k, v, cu_seqlens, dropout_p)
+    cast = _autocast_dtype(q.device)
+    if cast is not None and q.dtype == torch.float32:  # as F.scaled_dot_product_attention under autocast
+        q, k, v = q.to(cast), k.to(cast), v.to(cast)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if dropout_p > 0.0 and seed is None:
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item())

@@ -101,6 +101,21 @@ def test_softmax_scale_and_large_logits():
     torch.testing.assert_close(grad, grad_r, rtol=1e-4, atol=1e-3)
 
 
+def test_autocast_runs_in_the_autocast_dtype():
+    # Like F.scaled_dot_product_attention: fp32 inputs under autocast run (and return) 16-bit.
+    # fp16 on CPU because bf16 is wrong in the Triton interpreter.
+    lengths = [5, 17]
+    cu = cu_seqlens_of(lengths)
+    qkv = packed_qkv(lengths, 2, 32, torch.float32)
+    dout = torch.randn(22, 2, 32, device=DEVICE)
+    with torch.autocast(DEVICE, dtype=torch.float16):
+        out, grad = run(varlen_attention, qkv, cu, 17, dout)
+    assert out.dtype == torch.float16 and grad.dtype == torch.float32
+    out32, grad32 = run(varlen_attention_ref, qkv, cu, 17, dout)
+    torch.testing.assert_close(out.float(), out32, rtol=0, atol=5e-3)
+    torch.testing.assert_close(grad, grad32, rtol=0, atol=1e-2)
+
+
 def test_rejects_bad_inputs():
     q = torch.randn(4, 2, 32, device=DEVICE)
     with pytest.raises(TypeError, match="int32"):
