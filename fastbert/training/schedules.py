@@ -105,6 +105,9 @@ class StepSchedule:
         _check(peak_lr, warmup, shape)
         self.peak_lr, self.total_steps, self.warmup, self.shape = peak_lr, total_steps, warmup, shape
 
+    def start(self) -> None:
+        pass
+
     def lr(self, step: int) -> float:
         """Learning rate of optimizer step ``step`` (0-based)."""
         return self.peak_lr * SHAPES[self.shape]((step + 0.5) / self.total_steps, self.warmup)

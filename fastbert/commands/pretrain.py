@@ -1,0 +1,67 @@
+"""``fastbert pretrain``: BERT pretraining through DeepSpeed (fastbert/training/pretrain.py).
+
+Launch it directly (one process), or under a launcher, which sets RANK / WORLD_SIZE / LOCAL_RANK:
+
+    fastbert pretrain --config configs/tiny.json
+    torchrun --nproc_per_node 8 -m fastbert.commands.pretrain --config configs/base.json
+    deepspeed --num_gpus 8 --module fastbert.commands.pretrain --config configs/base.json
+    deepspeed --hostfile hosts --module fastbert.commands.pretrain --config configs/academic-budget-large.json
+"""
+from __future__ import annotations
+
+import sys
+
+
+def add_parser(sub):
+    p = sub.add_parser(
+        "pretrain", help="pretrain BERT (MLM/NSP) with DeepSpeed on prepared shards",
+        description="Pretrain BERT from a JSON config (configs/*.json) with KEY=VALUE overrides, e.g. "
+                    "`fastbert pretrain --config configs/tiny.json train.time_budget=5m output_dir=runs/x`. "
+                    "Prepares data.dir first when it is missing. Resumes from the newest checkpoint in "
+                    "OUTPUT_DIR/checkpoints unless checkpoint.resume=never.")
+    _add_arguments(p)
+
+
+def _add_arguments(p):
+    p.add_argument("--config", default=None, help="JSON config (see configs/); defaults apply to missing keys")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="config overrides, e.g. train.max_steps=1000 data.dir=/scratch/wiki (values parsed as JSON)")
+    p.add_argument("--output-dir", default=None, help="same as output_dir=PATH")
+    # Launchers add these; ranks come from the environment, so they are accepted and ignored.
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="(set by launchers)")
+
+
+def run(args) -> int:
+    import json
+
+    from fastbert.training.config import load_config
+    from fastbert.training.pretrain import run_pretraining
+
+    overrides = list(args.overrides)
+    if args.output_dir:
+        overrides.append(f"output_dir={json.dumps(args.output_dir)}")
+    cfg = load_config(args.config, overrides)
+    summary = run_pretraining(cfg)
+    ev = summary.get("eval") or {}
+    if ev:
+        print(f"final: step {summary['steps']} | MLM accuracy {ev['mlm_acc']:.4f} | MLM loss {ev['mlm_loss']:.4f}"
+              + (f" | NSP accuracy {ev['nsp_acc']:.4f}" if "nsp_acc" in ev else "")
+              + (f" | HF checkpoint {summary['hf_dir']}" if summary.get("hf_dir") else ""))
+    return 0
+
+
+def main(argv=None) -> int:
+    """Entry point for launchers: ``python -m fastbert.commands.pretrain --config ...``."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="fastbert pretrain")
+    _add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"fastbert pretrain: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

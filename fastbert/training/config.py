@@ -1,0 +1,124 @@
+"""The pretraining config: a JSON file (configs/*.json) merged over DEFAULTS, plus ``key=value``
+overrides from the command line (``train.max_steps=200``, ``data.dir=/scratch/wiki``; values are
+parsed as JSON when they can be, else kept as strings). Unknown keys are errors, so a typo never
+silently falls back to a default. Relative paths are relative to the working directory."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+DEFAULTS: dict = {
+    "output_dir": "runs/pretrain",
+    "model": {
+        "preset": "base",            # tiny | mini | small | medium | base | large (fastbert.config.PRESETS)
+        "prenorm": False,            # Pre-LN (academic-budget recipe) or Post-LN (original BERT, HF-loadable)
+        "kernels": "auto",           # auto = triton on CUDA, torch on CPU
+        "head": "auto",              # auto = pretraining (MLM + NSP) with NSP data, else masked_lm
+        "overrides": {},             # any BertConfig field, e.g. {"hidden_dropout_prob": 0.0}
+    },
+    "data": {
+        "dir": "runs/data/enwiki-128",
+        "auto_prepare": True,        # run `fastbert prepare` with data.prepare when data.dir is not prepared
+        "prepare": {
+            "corpus": ["../shared/data/pretrain/enwiki_wikiextractor"],
+            "vocab": "../shared/data/vocab/bert-base-uncased/vocab.txt",
+            "seq_len": 128, "nsp": False, "val_fraction": 0.01, "short_seq_prob": 0.1, "seed": 12345,
+            "workers": 2,
+        },
+        "masking": {"rate": 0.15, "mask_prob": 0.8, "random_prob": 0.1, "random_tokens": "uniform",
+                    "whole_word": False},
+        "pad_to": None,              # None: pad each micro-batch to its longest sequence (multiple of 8)
+        "prefetch": 4,
+    },
+    "train": {
+        "micro_batch_size": 32,      # per rank
+        "global_batch_size": 256,    # sequences per optimizer step (gradient accumulation fills the gap)
+        "max_steps": None,           # step budget (and a hard cap when time_budget is set)
+        "time_budget": None,         # wall-clock budget, e.g. "24h"; the LR schedule then follows time
+        "warmup": 0.06,              # fraction of the budget
+        "schedule": "linear",        # linear (decay to 0) | constant (after warmup)
+        "optimizer": {"type": "adamw", "lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-6, "weight_decay": 0.01},
+        "gradient_clipping": 1.0,
+        "precision": "auto",         # auto = bf16 on CUDA (fp16 where bf16 is missing), fp32 on CPU
+        "deepspeed": None,           # DeepSpeed JSON (ZeRO, offload); None = ZeRO stage train.zero_stage
+        "zero_stage": None,          # overrides the JSON's stage when set
+        "seed": 42,
+        "clock": "monotonic",        # tests: "fake:TICK[:SKEW]"
+    },
+    "eval": {"every_steps": None, "every_minutes": None, "batches": 50, "micro_batch_size": None, "at_end": True},
+    "checkpoint": {"every_steps": None, "every_minutes": 30, "keep": 2, "resume": "auto", "at_end": True},
+    "log": {"every_steps": 10, "tensorboard": True, "peak_tflops": None},
+    "export": {"hf": True},
+}
+
+_OPEN_DICTS = {("model", "overrides"), ("train", "optimizer")}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _merge(base: dict, update: dict, path: tuple = ()) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in update.items():
+        here = path + (key,)
+        if key not in base and path not in _OPEN_DICTS:
+            raise ConfigError(f"unknown config key {'.'.join(here)!r}; known keys under "
+                              f"{'.'.join(path) or 'the top level'}: {sorted(base)}")
+        if isinstance(base.get(key), dict) and isinstance(value, dict) and here not in _OPEN_DICTS:
+            out[key] = _merge(base[key], value, here)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def parse_override(text: str) -> tuple[list[str], object]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not KEY=VALUE (e.g. train.max_steps=200)")
+    key, raw = text.split("=", 1)
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def load_config(path=None, overrides=()) -> dict:
+    cfg = copy.deepcopy(DEFAULTS)
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"config file not found: {p}; see configs/ (tiny.json, base.json, "
+                                    "academic-budget-large.json)")
+        try:
+            user = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p} is not valid JSON: {e}") from None
+        user.pop("_comment", None)
+        cfg = _merge(cfg, user)
+    for text in overrides:
+        keys, value = parse_override(text)
+        nested: dict = value
+        for k in reversed(keys):
+            nested = {k: nested}
+        cfg = _merge(cfg, nested)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: dict) -> None:
+    t = cfg["train"]
+    if t["max_steps"] is None and t["time_budget"] is None:
+        raise ConfigError("set a budget: train.max_steps=N and/or train.time_budget=DURATION (e.g. '24h')")
+    if t["max_steps"] is not None and (not isinstance(t["max_steps"], int) or t["max_steps"] <= 0):
+        raise ConfigError(f"train.max_steps must be a positive integer, got {t['max_steps']!r}")
+    for k in ("micro_batch_size", "global_batch_size"):
+        if not isinstance(t[k], int) or t[k] <= 0:
+            raise ConfigError(f"train.{k} must be a positive integer, got {t[k]!r}")
+    if cfg["log"]["every_steps"] is None or cfg["log"]["every_steps"] < 1:
+        raise ConfigError("log.every_steps must be >= 1")
+    if cfg["checkpoint"]["keep"] < 1:
+        raise ConfigError("checkpoint.keep must be >= 1 (the newest good checkpoint is never deleted)")
+    if cfg["checkpoint"]["resume"] not in ("auto", "never", "must") and not isinstance(cfg["checkpoint"]["resume"], str):
+        raise ConfigError("checkpoint.resume is 'auto', 'never', 'must' or a checkpoint tag")
