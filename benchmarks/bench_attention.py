@@ -197,41 +197,56 @@ def bench_case(case) -> list[dict]:
 
 # ---------------------------------------------------------------------------------- launch-config sweep
 SWEEP = {
-    "fwd": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3),
-            (64, 32, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3)],
-    "dq": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 4, 2),
-           (32, 64, 4, 3), (64, 128, 8, 2)],
-    "dkdv": [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2), (32, 128, 4, 2), (64, 128, 8, 2), (32, 128, 8, 3),
-             (16, 64, 4, 3), (64, 128, 4, 2)],
+    "fwd": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3),
+            (64, 32, 4, 2), (128, 128, 8, 2), (64, 128, 4, 2), (32, 32, 4, 3)],
+    "dq": [(64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 32, 4, 3), (64, 32, 4, 4), (128, 32, 8, 3),
+           (64, 16, 4, 3)],
+    "dkdv": [(64, 64, 4, 2), (32, 128, 4, 2), (64, 128, 8, 2), (32, 128, 8, 3), (16, 64, 4, 3), (16, 128, 4, 3),
+             (32, 128, 4, 3), (32, 64, 4, 3)],
 }
 
 
 def sweep(cases) -> dict:
-    """Time each kernel under each candidate (BLOCK_M, BLOCK_N, warps, stages), the others at default."""
+    """Time each kernel under each candidate (BLOCK_M, BLOCK_N, warps, stages), the others at default.
+    Backward candidates are timed as the whole backward (the kernels' times add up)."""
     results = {}
-    default = dict(attn._GPU_CONFIGS)
+    default_cfg, default_warps = dict(attn._GPU_CONFIGS), dict(attn._SHORT_BWD_WARPS)
     for case in cases:
+        bucket = "short" if case.seq <= 128 else "long"
         q, k, v = case.qkv.detach().unbind(1)
         args = (case.cu_seqlens, max(case.lengths), 0.0, 1 / math.sqrt(case.head_dim), 0)
         out, lse = attn.varlen_attention_forward(q, k, v, *args)
+        fwd = lambda: attn.varlen_attention_forward(q, k, v, *args)  # noqa: E731
+        bwd = lambda: attn._backward_packed(case.dout, q, k, v, out, lse, *args)  # noqa: E731
         key = case_name(case)
         results[key] = {}
-        for kind, candidates in SWEEP.items():
-            timings = []
-            for cfg in candidates:
-                attn._GPU_CONFIGS[(kind, 64)] = cfg
-                if kind == "fwd":
-                    fn = lambda: attn.varlen_attention_forward(q, k, v, *args)  # noqa: E731
-                else:
-                    fn = lambda: attn._backward_packed(case.dout, q, k, v, out, lse, *args)  # noqa: E731
-                try:
-                    timings.append((time_ms(fn), cfg))
-                except Exception as e:  # noqa: BLE001 - out of shared memory etc.: report, go on
-                    print(f"  sweep {kind} {cfg}: {type(e).__name__}: {str(e)[:80]}")
-            attn._GPU_CONFIGS.update(default)
-            timings.sort()
-            results[key][kind] = [{"config": list(c), "ms": t} for t, c in timings]
-            print(f"  sweep {key} {kind}: " + "  ".join(f"{c}={t * 1e3:.1f}us" for t, c in timings[:4]))
+
+        def trial(kind, label, fn, setup):
+            setup()
+            try:
+                return time_ms(fn), label
+            except Exception as e:  # noqa: BLE001 - out of shared memory etc.: report, go on
+                print(f"  sweep {kind} {label}: {type(e).__name__}: {str(e)[:80]}")
+                return None
+            finally:
+                attn._GPU_CONFIGS.update(default_cfg)
+                attn._SHORT_BWD_WARPS.update(default_warps)
+                attn._SHORT_BWD_MAX = 128
+
+        plan = {"fwd": [(str(c), fwd, lambda c=c: attn._GPU_CONFIGS.update({("fwd", 64, bucket): c}))
+                        for c in SWEEP["fwd"]]}
+        if bucket == "short":
+            plan["bwd"] = [(f"fused-short warps128={w}", bwd, lambda w=w: attn._SHORT_BWD_WARPS.update({128: w}))
+                           for w in (4, 8)]
+            plan["bwd"].append(("two-kernel", bwd, lambda: setattr(attn, "_SHORT_BWD_MAX", 0)))
+        else:
+            for kind in ("dq", "dkdv"):
+                plan[kind] = [(str(c), bwd, lambda c=c, kind=kind: attn._GPU_CONFIGS.update({(kind, 64, "long"): c}))
+                              for c in SWEEP[kind]]
+        for kind, trials in plan.items():
+            timings = sorted(t for t in (trial(kind, *x) for x in trials) if t is not None)
+            results[key][kind] = [{"config": c, "ms": t} for t, c in timings]
+            print(f"  sweep {key} {kind}: " + "  ".join(f"{c}={t * 1e3:.1f}us" for t, c in timings[:4]), flush=True)
     return results
 
 
@@ -258,7 +273,8 @@ def main(argv=None) -> int:
     dists = args.dists.split(",")
     import triton
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                dtype="bfloat16", configs={f"{k[0]}/hd{k[1]}": v for k, v in attn._GPU_CONFIGS.items()})
+                dtype="bfloat16", configs={"/".join(map(str, k)): v for k, v in attn._GPU_CONFIGS.items()},
+                short_bwd_warps=attn._SHORT_BWD_WARPS)
     print(json.dumps(meta))
     result = dict(meta=meta, correctness={}, rows=[])
     if args.sweep:

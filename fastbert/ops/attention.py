@@ -70,7 +70,7 @@ _LOG2E = 1.4426950408889634
 # ``row * max_seqlen + col`` (local to the sequence) and the key is the user seed in the low 32 bits
 # plus the (sequence, head) stream in the high 32 bits, so forward and backward regenerate the
 # same mask whatever block sizes they use.
-_STREAM_SHIFT = 4294967296  # 2**32
+_STREAM_SHIFT = tl.constexpr(2**32) if tl is not None else 2**32  # kernels read only constexpr globals
 
 
 @_jit
@@ -271,20 +271,81 @@ def _bwd_dq_kernel(
              dq.to(DQ.dtype.element_ty), mask=mask_md)
 
 
+@_jit(do_not_specialize=["seed", "max_seqlen"])
+def _bwd_short_kernel(
+    Q, K, V, O, DO, LSE, DQ, DK, DV, CU_SEQLENS,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot, stride_doh,
+    stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    stride_lse_h, nheads, qk_scale, softmax_scale, dropout_p, seed, max_seqlen, min_len,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Whole backward of one (sequence, head) whose length fits one BLOCK: grid (seq, head).
+
+    For BERT's short sequences this beats the two-kernel path: Q, K, V, O, dO are read once, the
+    scores and their exponentials are computed once (five GEMMs instead of seven), one launch.
+    Sequences with length <= min_len are left to a launch with a smaller BLOCK.
+    """
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    start = tl.load(CU_SEQLENS + seq)
+    seqlen = tl.load(CU_SEQLENS + seq + 1) - start
+    if (seqlen <= min_len) | (seqlen > BLOCK):
+        return
+    start64 = start.to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = offs < seqlen
+    mask_td = mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    rows = offs[:, None]
+    cols = offs_d[None, :]
+    q = tl.load(Q + start64 * stride_qt + head * stride_qh + rows * stride_qt + cols, mask=mask_td, other=0.0)
+    k = tl.load(K + start64 * stride_kt + head * stride_kh + rows * stride_kt + cols, mask=mask_td, other=0.0)
+    v = tl.load(V + start64 * stride_vt + head * stride_vh + rows * stride_vt + cols, mask=mask_td, other=0.0)
+    o = tl.load(O + start64 * stride_ot + head * stride_oh + rows * stride_ot + cols, mask=mask_td, other=0.0)
+    do = tl.load(DO + start64 * stride_dot + head * stride_doh + rows * stride_dot + cols, mask=mask_td, other=0.0)
+    lse = tl.load(LSE + head * stride_lse_h + start + offs, mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK, BLOCK)
+    p = tl.math.exp2(qk - lse[:, None])
+    p = tl.where(mask[:, None] & mask[None, :], p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    if HAS_DROPOUT:
+        keep = _philox_keep(seed, seq * nheads + head, offs[:, None], offs[None, :], max_seqlen, dropout_p)
+        scale_keep = 1.0 / (1.0 - dropout_p)
+        p_dropped = tl.where(keep, p * scale_keep, 0.0)
+        dp = tl.where(keep, dp * scale_keep, 0.0)
+    else:
+        p_dropped = p
+    dv = tl.dot(tl.trans(p_dropped.to(do.dtype)), do, input_precision=DOT_PRECISION)
+    tl.store(DV + start64 * stride_dvt + head * stride_dvh + rows * stride_dvt + cols, dv.to(DV.dtype.element_ty),
+             mask=mask_td)
+    ds = (p * (dp - delta[:, None])).to(q.dtype)
+    dq = tl.dot(ds, k, input_precision=DOT_PRECISION) * softmax_scale
+    tl.store(DQ + start64 * stride_dqt + head * stride_dqh + rows * stride_dqt + cols, dq.to(DQ.dtype.element_ty),
+             mask=mask_td)
+    dk = tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION) * softmax_scale
+    tl.store(DK + start64 * stride_dkt + head * stride_dkh + rows * stride_dkt + cols, dk.to(DK.dtype.element_ty),
+             mask=mask_td)
+
+
 # ============================================================================ host wrappers
-# Launch configurations as (BLOCK_M, BLOCK_N, num_warps, num_stages), per kernel, chosen for BERT
-# (head_dim 64, sequences of 128..512 tokens) on an H100; benchmarks/bench_attention.py --sweep
-# re-measures them. Under the interpreter small blocks keep CPU tests fast.
+# Launch configurations as (BLOCK_M, BLOCK_N, num_warps, num_stages) per (kernel, head_dim bucket,
+# max_seqlen bucket), chosen for BERT on Hopper from `benchmarks/bench_attention.py --sweep`.
+# Backward of sequences up to _SHORT_BWD_MAX tokens: one fused program per (sequence, head).
 _GPU_CONFIGS = {
-    # head_dim <= 64
-    ("fwd", 64): (128, 64, 4, 3),
-    ("dkdv", 64): (64, 64, 4, 2),
-    ("dq", 64): (64, 64, 4, 2),
-    # head_dim 128
-    ("fwd", 128): (128, 64, 8, 2),
-    ("dkdv", 128): (32, 64, 4, 2),
-    ("dq", 128): (64, 32, 4, 2),
+    ("fwd", 64, "short"): (64, 32, 4, 3),
+    ("fwd", 64, "long"): (64, 64, 4, 3),
+    ("dq", 64, "long"): (64, 32, 4, 3),
+    ("dkdv", 64, "long"): (32, 128, 4, 2),
+    ("fwd", 128, "short"): (64, 32, 4, 3),
+    ("fwd", 128, "long"): (128, 64, 8, 2),
+    ("dq", 128, "long"): (64, 32, 4, 2),
+    ("dkdv", 128, "long"): (32, 64, 4, 2),
 }
+_SHORT_BWD_MAX = 128
+_SHORT_BWD_WARPS = {16: 4, 32: 4, 64: 4, 128: 8}
 _INTERPRETER_CONFIG = (32, 32, 1, 1)
 
 
@@ -295,10 +356,22 @@ def _interpreting() -> bool:
 def _launch_config(kind: str, head_dim: int, max_seqlen: int, device: torch.device):
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
-    block_m, block_n, warps, stages = _GPU_CONFIGS[(kind, 64 if head_dim <= 64 else 128)]
+    key = (kind, 64 if head_dim <= 64 else 128, "short" if max_seqlen <= 128 else "long")
+    block_m, block_n, warps, stages = _GPU_CONFIGS.get(key, _GPU_CONFIGS[(kind, key[1], "long")])
     # Short sequences: shrink the query / key block so programs are not mostly masked.
     cap = max(16, triton.next_power_of_2(max_seqlen))
     return min(block_m, cap), min(block_n, cap), warps, stages
+
+
+def _short_bwd_blocks(head_dim: int, max_seqlen: int):
+    """The BLOCK of each fused short-backward launch (lengths in (BLOCK/2, BLOCK], the smallest from 1),
+    or None for the two-kernel path."""
+    block = max(16, triton.next_power_of_2(max_seqlen))
+    limit = _SHORT_BWD_MAX if head_dim <= 64 else min(_SHORT_BWD_MAX, 64)
+    if block > limit:
+        return None
+    # Two launches once sequences reach 128: the short half of a batch skips the 128-wide tiles.
+    return [64, 128] if block == 128 else [block]
 
 
 def _kernel_constants(q: torch.Tensor, dropout_p: float) -> dict:
@@ -347,6 +420,19 @@ def _backward_packed(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, dropo
     if total == 0 or batch == 0 or max_seqlen == 0:
         return dqkv
     consts = _kernel_constants(q, dropout_p)
+    blocks = _short_bwd_blocks(head_dim, max_seqlen)
+    if blocks is not None:
+        min_len = 0
+        for block in blocks:
+            _bwd_short_kernel[(batch, nheads)](
+                q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
+                dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+                lse.stride(0), nheads, softmax_scale * _LOG2E, softmax_scale, dropout_p, seed, max_seqlen, min_len,
+                BLOCK=block, num_warps=_SHORT_BWD_WARPS[block], num_stages=1, **consts)
+            min_len = block
+        return dqkv
     delta = torch.empty((nheads, total), dtype=torch.float32, device=q.device)
     common = (lse.stride(0), nheads, softmax_scale * _LOG2E, softmax_scale, dropout_p, seed, max_seqlen)
     strides_in = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

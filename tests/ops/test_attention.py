@@ -60,15 +60,26 @@ def assert_close_to_reference(lengths, heads, head_dim, dtype, device=DEVICE, at
 
 
 # ---------------------------------------------------------------------------------- CPU (interpreter)
+@pytest.fixture(params=["fused-short", "two-kernel"])
+def backward_path(request, monkeypatch):
+    """Sequences up to 128 tokens take a one-program-per-(sequence, head) backward; longer ones the
+    dQ + dK/dV kernels. Run short batches through both."""
+    import fastbert.ops.attention as attn
+
+    if request.param == "two-kernel":
+        monkeypatch.setattr(attn, "_SHORT_BWD_MAX", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_forward_and_gradients_match_reference(dtype):
+def test_forward_and_gradients_match_reference(dtype, backward_path):
     g = torch.Generator().manual_seed(7)
-    lengths = [1, 23, 40, 7] + torch.randint(1, 65, (3,), generator=g).tolist()
+    lengths = [1, 23, 100, 7, 65] + torch.randint(1, 65, (2,), generator=g).tolist()  # both short buckets
     assert_close_to_reference(lengths, heads=2, head_dim=32, dtype=dtype)
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
-def test_head_dims(head_dim):
+def test_head_dims(head_dim, backward_path):
     assert_close_to_reference([1, 19, 33], heads=1, head_dim=head_dim, dtype=torch.float32)
 
 
@@ -76,7 +87,7 @@ def test_mixed_one_and_512_tokens():
     assert_close_to_reference([1, 512, 1], heads=1, head_dim=32, dtype=torch.float32)
 
 
-def test_empty_sequences_and_length_one_never_nan():
+def test_empty_sequences_and_length_one_never_nan(backward_path):
     lengths = [0, 1, 0, 5, 1, 0]
     cu = cu_seqlens_of(lengths)
     qkv = packed_qkv(lengths, 2, 32, torch.float32)
@@ -196,7 +207,7 @@ def masked_reference(qkv, cu, max_seqlen, keep, p, dout, scale):
     return out, grad
 
 
-def test_dropout_backward_consistent_with_mask():
+def test_dropout_backward_consistent_with_mask(backward_path):
     lengths, heads, head_dim, p, seed = [1, 37, 64, 12], 2, 32, 0.25, 99
     cu, max_seqlen = cu_seqlens_of(lengths), max(lengths)
     keep, _ = dropout_mask(lengths, heads, p, seed)
@@ -237,11 +248,12 @@ def test_custom_ops_pass_opcheck_and_compile():
 
 # ---------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
+@pytest.mark.parametrize("seq", [128, 512])
 @pytest.mark.parametrize("heads", [12, 16], ids=["bert-base", "bert-large"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_bert_shapes(heads, dtype):
+def test_gpu_bert_shapes(heads, dtype, seq):
     g = torch.Generator().manual_seed(heads)
-    lengths = [1, 512, 128, 1] + torch.randint(1, 513, (12,), generator=g).tolist()
+    lengths = [1, seq, seq // 2, 1] + torch.randint(1, seq + 1, (28,), generator=g).tolist()
     assert_close_to_reference(lengths, heads, 64, dtype, device="cuda")
 
 
