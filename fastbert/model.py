@@ -259,6 +259,10 @@ class BertPreTrainedModel(nn.Module):
 class BertModel(BertPreTrainedModel):
     """HF-compatible ``BertModel`` with an unpadded encoder."""
 
+    # Check token ids against the vocabulary on every call (one small device sync, shared with the
+    # length lookup that unpadding needs anyway).
+    validate_inputs = True
+
     def __init__(self, config: BertConfig, add_pooling_layer: bool = True):
         super().__init__(config)
         self.embeddings = BertEmbeddings(config)
@@ -270,7 +274,11 @@ class BertModel(BertPreTrainedModel):
         return self.embeddings.word_embeddings
 
     # ------------------------------------------------------------------ input checks
-    def _check_inputs(self, input_ids, attention_mask, token_type_ids, position_ids):
+    def _check_and_unpad(self, input_ids, attention_mask, token_type_ids, position_ids) -> Unpadded:
+        """Validate the inputs and describe their real tokens. Shape checks are free; the value checks
+        (id ranges) and the longest length come back from the device in ONE transfer, and with
+        ``validate_inputs = False`` (set by trainers whose data was validated when it was prepared)
+        only the length is fetched."""
         cfg = self.config
         if input_ids is None:
             raise InputError("input_ids is required (fastbert does not take inputs_embeds)")
@@ -285,14 +293,26 @@ class BertModel(BertPreTrainedModel):
                         ("position_ids", position_ids)):
             if t is not None and t.shape != input_ids.shape:
                 raise InputError(f"{name} has shape {tuple(t.shape)} but input_ids has {tuple(input_ids.shape)}")
-        if input_ids.numel() and not torch.compiler.is_compiling():
-            lo, hi = int(input_ids.min()), int(input_ids.max())
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        info = unpad_mask(attention_mask, max_seqlen=0)  # the real value comes with the stats below
+        if not input_ids.numel():
+            return info
+        stats = [info.cu_seqlens.diff().max()]
+        if self.validate_inputs:
+            types = token_type_ids if token_type_ids is not None else input_ids.new_zeros(1)
+            stats += [input_ids.min(), input_ids.max(), types.min(), types.max()]
+        stats = torch.stack([t.to(torch.int64) for t in stats]).tolist()  # the one device -> host sync
+        info = info._replace(max_seqlen=int(stats[0]))
+        if self.validate_inputs:
+            lo, hi, tlo, thi = stats[1:]
             if lo < 0 or hi >= cfg.vocab_size:
                 raise InputError(
                     f"token id {hi if hi >= cfg.vocab_size else lo} is outside the vocabulary [0, {cfg.vocab_size}); "
                     "the tokenizer's vocab does not match this model (use the model's own vocab.txt)")
-            if token_type_ids is not None and int(token_type_ids.max()) >= cfg.type_vocab_size:
-                raise InputError(f"token_type_ids must be < type_vocab_size={cfg.type_vocab_size}")
+            if tlo < 0 or thi >= cfg.type_vocab_size:
+                raise InputError(f"token_type_ids must lie in [0, type_vocab_size={cfg.type_vocab_size})")
+        return info
 
     # ------------------------------------------------------------------ forward
     def encode_unpadded(self, input_ids, cu_seqlens, max_seqlen, token_type_ids=None, position_ids=None,
@@ -314,10 +334,7 @@ class BertModel(BertPreTrainedModel):
     def run(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
             output_attentions=False, output_hidden_states=False):
         """Check, unpad, encode. Returns ``(tokens, hidden)``, the Unpadded info, hidden states, attentions."""
-        self._check_inputs(input_ids, attention_mask, token_type_ids, position_ids)
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        info = unpad_mask(attention_mask)
+        info = self._check_and_unpad(input_ids, attention_mask, token_type_ids, position_ids)
         flat = lambda t: None if t is None else t.reshape(-1).index_select(0, info.indices)  # noqa: E731
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)

@@ -19,14 +19,19 @@ class Unpadded(NamedTuple):
     seqlen: int
 
 
-def unpad_mask(attention_mask: torch.Tensor) -> Unpadded:
-    """Describe the real tokens of a ``(batch, seq)`` 0/1 mask."""
+def unpad_mask(attention_mask: torch.Tensor, max_seqlen: int | None = None) -> Unpadded:
+    """Describe the real tokens of a ``(batch, seq)`` 0/1 mask.
+
+    ``max_seqlen=None`` computes the longest length (a device sync); a caller that fetches it
+    together with other values passes a placeholder and replaces it (``info._replace``).
+    """
     batch, seqlen = attention_mask.shape
     mask = attention_mask.bool()
     lengths = mask.sum(dim=1, dtype=torch.int32)
     indices = torch.nonzero(mask.flatten(), as_tuple=False).flatten()
     cu_seqlens = torch.nn.functional.pad(torch.cumsum(lengths, dim=0, dtype=torch.int32), (1, 0))
-    max_seqlen = int(lengths.max().item()) if batch else 0
+    if max_seqlen is None:
+        max_seqlen = int(lengths.max().item()) if batch else 0
     return Unpadded(indices, cu_seqlens, max_seqlen, batch, seqlen)
 
 
