@@ -2,9 +2,13 @@
 
 `fastbert._C` holds version/build information and the WordPiece tokenizer core; `fastbert._vocab`
 the vocabulary trainer. Set FASTBERT_DEBUG=1 for an unoptimized build.
+The tokenizer's Unicode tables are generated first (csrc/tokenizer/gen_unicode.py, from this
+Python's unicodedata) into the git-ignored csrc/tokenizer/generated/.
 """
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
@@ -20,7 +24,7 @@ def cpp_extension(name: str, folder: str) -> Pybind11Extension:
     return Pybind11Extension(
         name,
         sources,
-        include_dirs=[f"csrc/{folder}"],
+        include_dirs=[f"csrc/{folder}", f"csrc/{folder}/generated"],
         define_macros=[("FASTBERT_VERSION", f'"{VERSION}"')],
         cxx_std=17,
         extra_compile_args=["-O0", "-g"] if DEBUG else ["-O3"],
@@ -32,4 +36,13 @@ ext_modules = [cpp_extension("fastbert._C", "tokenizer")]
 if any((ROOT / "csrc" / "vocab").glob("*.cpp")):
     ext_modules.append(cpp_extension("fastbert._vocab", "vocab"))
 
-setup(version=VERSION, ext_modules=ext_modules, cmdclass={"build_ext": build_ext})
+
+
+class BuildExt(build_ext):
+    def run(self):
+        gen = ROOT / "csrc" / "tokenizer" / "gen_unicode.py"
+        subprocess.run([sys.executable, str(gen), str(gen.parent / "generated" / "unicode_data.h")], check=True)
+        super().run()
+
+
+setup(version=VERSION, ext_modules=ext_modules, cmdclass={"build_ext": BuildExt})

@@ -1,11 +1,24 @@
-// pybind11 entry point of fastbert._C: version and build information.
+// pybind11 entry point of fastbert._C: build information and the WordPiece tokenizer core.
+// Python strings are read in place (PEP 393 storage: 1, 2 or 4 bytes per code point) with the GIL
+// held; tokenization and output filling run with the GIL released on the thread pool.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
+#include <climits>
+#include <cstring>
 #include <string>
 
-namespace py = pybind11;
+#include "normalizer.h"
+#include "thread_pool.h"
+#include "tokenizer.h"
 
-static py::dict build_info() {
+namespace py = pybind11;
+using namespace fastbert;
+
+namespace {
+
+py::dict build_info() {
   py::dict info;
   info["version"] = FASTBERT_VERSION;
 #if defined(__clang__)
@@ -16,12 +29,299 @@ static py::dict build_info() {
   info["compiler"] = "unknown";
 #endif
   info["cplusplus"] = static_cast<long>(__cplusplus);
-  info["cuda"] = false;
+  info["unicode_version"] = unicode_version();
+  info["hardware_threads"] = ThreadPool::hardware_threads();
+  info["cuda"] = false;  // the CUDA tokenizer is the separate module fastbert._C_cuda
   return info;
 }
 
+TextRef text_ref(PyObject* obj, const char* what, Py_ssize_t index) {
+  if (!PyUnicode_Check(obj)) {
+    std::string where = index >= 0 ? std::string(what) + "[" + std::to_string(index) + "]" : std::string(what);
+    throw py::type_error(where + " must be a str, got " + Py_TYPE(obj)->tp_name);
+  }
+#if PY_VERSION_HEX < 0x030C0000
+  if (PyUnicode_READY(obj) < 0) throw py::error_already_set();
+#endif
+  TextRef t;
+  t.kind = static_cast<int>(PyUnicode_KIND(obj));
+  t.data = PyUnicode_DATA(obj);
+  t.length = PyUnicode_GET_LENGTH(obj);
+  if (t.length > INT32_MAX) throw py::value_error("texts longer than 2**31 - 1 characters are not supported; split them");
+  return t;
+}
+
+// A tuple of the sequence's items: keeps every string alive while the GIL is released.
+py::tuple as_tuple(const py::handle& seq, const char* what) {
+  if (PyUnicode_Check(seq.ptr()))
+    throw py::type_error(std::string(what) + " must be a list of str, not a single str");
+  PyObject* t = PySequence_Tuple(seq.ptr());
+  if (!t) throw py::type_error(std::string(what) + " must be a list of str");
+  return py::reinterpret_steal<py::tuple>(t);
+}
+
+[[noreturn]] void raise_surrogate(const EncodeError& e, const char* what) {
+  char cp[16];
+  std::snprintf(cp, sizeof(cp), "U+%04X", e.cp);
+  std::string where = e.text >= 0 ? std::string(what) + "[" + std::to_string(e.text) + "]" : std::string(what);
+  throw py::value_error(where + " contains a lone surrogate " + cp + " at character " + std::to_string(e.position) +
+                        ": it has no UTF-8 form, so it cannot be tokenized (HF raises too). Repair the text, e.g. "
+                        "s.encode('utf-16', 'surrogatepass').decode('utf-16', 'replace')");
+}
+
+int resolve_threads(int num_threads) {
+  if (num_threads < 0) throw py::value_error("num_threads must be >= 1 (or None for all cores)");
+  return num_threads == 0 ? ThreadPool::hardware_threads() : num_threads;
+}
+
+PostOptions::Strategy parse_strategy(const std::string& s) {
+  if (s == "none") return PostOptions::kNone;
+  if (s == "longest_first") return PostOptions::kLongestFirst;
+  if (s == "only_first") return PostOptions::kOnlyFirst;
+  if (s == "only_second") return PostOptions::kOnlySecond;
+  throw py::value_error("unknown truncation strategy '" + s + "'");
+}
+
+template <typename T>
+py::array_t<T> copy_array(const std::vector<T>& v) {
+  py::array_t<T> a(static_cast<py::ssize_t>(v.size()));
+  if (!v.empty()) std::memcpy(a.mutable_data(), v.data(), v.size() * sizeof(T));
+  return a;
+}
+
+std::unique_ptr<Tokenizer> make_tokenizer(const std::vector<std::string>& vocab, bool lowercase, bool strip_accents,
+                                          bool tokenize_chinese_chars, int max_input_chars_per_word, int32_t unk_id,
+                                          const std::vector<std::pair<std::u32string, int32_t>>& specials) {
+  if (vocab.empty()) throw py::value_error("the vocabulary is empty");
+  if (max_input_chars_per_word < 1) throw py::value_error("max_input_chars_per_word must be >= 1");
+  if (unk_id < 0 || unk_id >= static_cast<int32_t>(vocab.size()))
+    throw py::value_error("unk_id " + std::to_string(unk_id) + " is not in the vocabulary");
+  TokenizerConfig config;
+  config.norm.lowercase = lowercase;
+  config.norm.strip_accents = strip_accents;
+  config.norm.chinese = tokenize_chinese_chars;
+  config.max_input_chars_per_word = max_input_chars_per_word;
+  config.unk_id = unk_id;
+  config.specials = specials;
+  py::gil_scoped_release release;
+  return std::make_unique<Tokenizer>(vocab, config);
+}
+
+py::tuple encode_one(const Tokenizer& tok, const py::handle& text) {
+  const TextRef ref = text_ref(text.ptr(), "text", -1);
+  TokenSink sink;
+  try {
+    py::gil_scoped_release release;
+    tok.encode(ref, sink);
+  } catch (const EncodeError& e) {
+    raise_surrogate(e, "text");
+  }
+  const py::ssize_t n = sink.size();
+  py::array_t<int32_t> ids(n);
+  py::array_t<int32_t> offsets({n, static_cast<py::ssize_t>(2)});
+  if (n) std::memcpy(ids.mutable_data(), sink.ids.data(), n * sizeof(int32_t));
+  int32_t* off = offsets.mutable_data();
+  for (py::ssize_t k = 0; k < n; ++k) {
+    off[2 * k] = sink.starts[k];
+    off[2 * k + 1] = sink.ends[k];
+  }
+  return py::make_tuple(ids, offsets);
+}
+
+// Tokenizes texts (and pairs) on the pool; returns the tokens and each row's segment indices.
+BatchTokens tokenize_rows(const Tokenizer& tok, const py::tuple& texts, const py::object& pairs, int threads,
+                          std::vector<int64_t>& first, std::vector<int64_t>& second) {
+  const Py_ssize_t n = py::len(texts);
+  std::vector<TextRef> segments;
+  segments.reserve(pairs.is_none() ? n : 2 * n);
+  for (Py_ssize_t i = 0; i < n; ++i) segments.push_back(text_ref(texts[i].ptr(), "texts", i));
+  first.resize(n);
+  second.assign(n, -1);
+  for (Py_ssize_t i = 0; i < n; ++i) first[i] = i;
+  if (!pairs.is_none()) {
+    const py::tuple p = pairs.cast<py::tuple>();
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      segments.push_back(text_ref(p[i].ptr(), "text_pairs", i));
+      second[i] = n + i;
+    }
+  }
+  try {
+    py::gil_scoped_release release;
+    return tok.encode_batch(segments, threads);
+  } catch (EncodeError& e) {
+    const bool in_pairs = e.text >= n;
+    if (in_pairs) e.text -= n;
+    raise_surrogate(e, in_pairs ? "text_pairs" : "texts");
+  }
+}
+
+py::dict encode_batch(const Tokenizer& tok, const py::handle& texts_in, const py::handle& pairs_in,
+                      bool add_special_tokens, int64_t max_length, const std::string& truncation,
+                      const std::string& padding, int64_t pad_to_multiple_of, bool return_offsets, int num_threads,
+                      int32_t cls_id, int32_t sep_id, int32_t pad_id) {
+  const int threads = resolve_threads(num_threads);
+  const py::tuple texts = as_tuple(texts_in, "texts");
+  py::object pairs = py::none();
+  if (!pairs_in.is_none()) {
+    pairs = as_tuple(pairs_in, "text_pairs");
+    if (py::len(pairs) != py::len(texts))
+      throw py::value_error("texts and text_pairs differ in length (" + std::to_string(py::len(texts)) +
+                            " != " + std::to_string(py::len(pairs)) + ")");
+  }
+  if (padding != "none" && padding != "longest" && padding != "max_length")
+    throw py::value_error("unknown padding '" + padding + "'");
+  PostOptions post;
+  post.add_special_tokens = add_special_tokens;
+  post.max_length = max_length;
+  post.strategy = parse_strategy(truncation);
+  post.cls_id = cls_id;
+  post.sep_id = sep_id;
+  post.pad_id = pad_id;
+  if (add_special_tokens && (cls_id < 0 || sep_id < 0)) throw py::value_error("cls_id and sep_id are needed");
+
+  std::vector<int64_t> first, second;
+  const BatchTokens tokens = tokenize_rows(tok, texts, pairs, threads, first, second);
+  RowLayout layout;
+  {
+    py::gil_scoped_release release;
+    layout = tok.layout(tokens, first, second, post);
+  }
+  const py::ssize_t rows = static_cast<py::ssize_t>(first.size());
+  py::dict out;
+  if (padding == "none") {
+    py::ssize_t total = 0;
+    for (int64_t t : layout.total) total += t;
+    py::array_t<int64_t> splits(rows + 1), ids(total), types(total);
+    py::array_t<int64_t> offsets = return_offsets ? py::array_t<int64_t>({total, static_cast<py::ssize_t>(2)})
+                                                  : py::array_t<int64_t>(0);
+    int64_t *p_splits = splits.mutable_data(), *p_ids = ids.mutable_data(), *p_types = types.mutable_data();
+    int64_t* p_off = return_offsets ? offsets.mutable_data() : nullptr;
+    {
+      py::gil_scoped_release release;
+      tok.fill_flat(tokens, first, second, layout, post, p_splits, p_ids, p_types, p_off, threads);
+    }
+    out["input_ids"] = ids;
+    out["token_type_ids"] = types;
+    if (return_offsets) out["offsets"] = offsets;
+    out["row_splits"] = splits;
+    return out;
+  }
+  int64_t width = layout.longest;
+  if (padding == "max_length") {
+    if (max_length < 0) throw py::value_error("padding='max_length' needs max_length");
+    for (py::ssize_t r = 0; r < rows; ++r)
+      if (layout.total[r] > max_length)
+        throw py::value_error("row " + std::to_string(r) + " has " + std::to_string(layout.total[r]) +
+                              " tokens, more than max_length=" + std::to_string(max_length) +
+                              " (truncation is off), so the rows cannot form one array; pass truncation=True "
+                              "or padding='longest'");
+    width = max_length;
+  }
+  if (pad_to_multiple_of > 0) width = (width + pad_to_multiple_of - 1) / pad_to_multiple_of * pad_to_multiple_of;
+  py::array_t<int64_t> ids({rows, static_cast<py::ssize_t>(width)});
+  py::array_t<int64_t> types({rows, static_cast<py::ssize_t>(width)});
+  py::array_t<int64_t> mask({rows, static_cast<py::ssize_t>(width)});
+  py::array_t<int64_t> offsets = return_offsets
+                                     ? py::array_t<int64_t>({rows, static_cast<py::ssize_t>(width), py::ssize_t(2)})
+                                     : py::array_t<int64_t>(0);
+  int64_t *p_ids = ids.mutable_data(), *p_types = types.mutable_data(), *p_mask = mask.mutable_data();
+  int64_t* p_off = return_offsets ? offsets.mutable_data() : nullptr;
+  {
+    py::gil_scoped_release release;
+    tok.fill_padded(tokens, first, second, layout, post, width, p_ids, p_types, p_mask, p_off, threads);
+  }
+  out["input_ids"] = ids;
+  out["token_type_ids"] = types;
+  out["attention_mask"] = mask;
+  if (return_offsets) out["offsets"] = offsets;
+  return out;
+}
+
+// Token ids of every text back to back (no special tokens) and where each text starts.
+py::tuple encode_flat(const Tokenizer& tok, const py::handle& texts_in, int num_threads) {
+  const int threads = resolve_threads(num_threads);
+  const py::tuple texts = as_tuple(texts_in, "texts");
+  std::vector<int64_t> first, second;
+  const BatchTokens tokens = tokenize_rows(tok, texts, py::none(), threads, first, second);
+  const py::ssize_t rows = static_cast<py::ssize_t>(first.size());
+  py::array_t<int64_t> splits(rows + 1);
+  int64_t* p_splits = splits.mutable_data();
+  p_splits[0] = 0;
+  for (py::ssize_t r = 0; r < rows; ++r) p_splits[r + 1] = p_splits[r] + tokens.seg_count[r];
+  py::array_t<int32_t> ids(static_cast<py::ssize_t>(p_splits[rows]));
+  int32_t* p_ids = ids.mutable_data();
+  {
+    py::gil_scoped_release release;
+    ThreadPool::instance().run(rows, threads, [&](int64_t r) {
+      const TokenSink& sink = tokens.sink(r);
+      std::memcpy(p_ids + p_splits[r], sink.ids.data() + tokens.seg_begin[r], tokens.seg_count[r] * sizeof(int32_t));
+    });
+  }
+  return py::make_tuple(ids, splits);
+}
+
+// Every table the tokenizer runs on, as NumPy copies: the CUDA path uploads these.
+py::dict tables(const Tokenizer& tok) {
+  const NormTable& n = tok.norm();
+  const WordPieceTrie& t = tok.trie();
+  py::dict d;
+  d["norm_stage1"] = copy_array(n.stage1);
+  d["norm_stage2"] = copy_array(n.stage2);
+  d["norm_pool"] = copy_array(n.pool);
+  d["dec_cp"] = copy_array(n.dec_cp);
+  d["dec_start"] = copy_array(n.dec_start);
+  d["dec_len"] = copy_array(n.dec_len);
+  d["dec_pool"] = copy_array(n.dec_pool);
+  d["ccc_lo"] = copy_array(n.ccc_lo);
+  d["ccc_hi"] = copy_array(n.ccc_hi);
+  d["ccc_val"] = copy_array(n.ccc_val);
+  static_assert(sizeof(TrieSlot) == 8 && sizeof(TrieFail) == 12, "packed trie records");
+  py::array_t<int32_t> slots({static_cast<py::ssize_t>(t.slots.size()), py::ssize_t(2)});
+  std::memcpy(slots.mutable_data(), t.slots.data(), t.slots.size() * sizeof(TrieSlot));
+  py::array_t<int32_t> fails({static_cast<py::ssize_t>(t.fails.size()), py::ssize_t(3)});
+  std::memcpy(fails.mutable_data(), t.fails.data(), t.fails.size() * sizeof(TrieFail));
+  d["trie_slots"] = slots;
+  d["trie_fails"] = fails;
+  d["trie_pops"] = copy_array(t.pops);
+  d["piece_len"] = copy_array(t.piece_len);
+  d["root"] = t.root;
+  d["suffix_root"] = t.suffix_root;
+  return d;
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "fastbert native extension: version and build information (tokenizer core lands here)";
+  m.doc() = "fastbert native extension: build information and the C++ WordPiece tokenizer core "
+            "(use fastbert.tokenization.WordPieceTokenizer, the Python API over it).";
   m.attr("__version__") = FASTBERT_VERSION;
   m.def("build_info", &build_info, "Return a dict describing how this extension was built.");
+  m.def("hardware_threads", &ThreadPool::hardware_threads, "Number of hardware threads (the default thread count).");
+
+  py::class_<Tokenizer>(m, "WordPieceCore",
+                        "BERT normalization + pre-tokenization + WordPiece (LinMaxMatch) over a vocabulary, "
+                        "with HF BertTokenizerFast's results. Thread-safe; batch methods release the GIL.")
+      .def(py::init(&make_tokenizer), py::arg("vocab"), py::arg("lowercase"), py::arg("strip_accents"),
+           py::arg("tokenize_chinese_chars"), py::arg("max_input_chars_per_word"), py::arg("unk_id"),
+           py::arg("specials"),
+           "vocab: tokens by id. specials: (text, id) pairs matched as whole strings in the raw text.")
+      .def("encode", &encode_one, py::arg("text"),
+           "Tokens of one text without special tokens: (ids int32 (n,), offsets int32 (n, 2)), offsets in "
+           "code points of the original text.")
+      .def("encode_batch", &encode_batch, py::arg("texts"), py::arg("pairs"), py::arg("add_special_tokens"),
+           py::arg("max_length"), py::arg("truncation"), py::arg("padding"), py::arg("pad_to_multiple_of"),
+           py::arg("return_offsets"), py::arg("num_threads"), py::arg("cls_id"), py::arg("sep_id"),
+           py::arg("pad_id"),
+           "Encode rows [CLS] a [SEP] (b [SEP]) with HF truncation (max_length -1: none; truncation 'none', "
+           "'longest_first', 'only_first', 'only_second') and padding ('none', 'longest', 'max_length'). "
+           "Returns int64 arrays: padded (rows, width) input_ids, token_type_ids, attention_mask and "
+           "(rows, width, 2) offsets; or, with padding 'none', flat arrays plus row_splits (rows + 1). "
+           "num_threads 0: all cores.")
+      .def("encode_flat", &encode_flat, py::arg("texts"), py::arg("num_threads"),
+           "Token ids (int32) of every text back to back without special tokens, and row_splits "
+           "(int64, len(texts) + 1) where each text starts.")
+      .def("tables", &tables, "The normalization table, NFD data and LinMaxMatch trie as NumPy arrays.")
+      .def_property_readonly("num_trie_nodes", [](const Tokenizer& t) { return t.trie().num_nodes; })
+      .def_property_readonly("max_input_chars_per_word",
+                             [](const Tokenizer& t) { return t.config().max_input_chars_per_word; });
 }

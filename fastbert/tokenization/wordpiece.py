@@ -1,0 +1,406 @@
+"""``WordPieceTokenizer``: the C++ BERT WordPiece tokenizer (extension ``fastbert._C``).
+
+Same API and results as the pure-Python oracle (``fastbert.tokenization.reference``) and HF
+``BertTokenizerFast``, plus ``encode_batch`` returning NumPy arrays / torch tensors built in C++
+(no Python object per token), on all cores with the GIL released, or on the GPU with
+``device="cuda"`` (csrc/cuda, see ``fastbert.tokenization._cuda``).
+
+One pass over each text's code points does BERT normalization (drop control characters, map
+whitespace to " ", space out CJK ideographs, NFD + drop accents, lowercase), pre-tokenization
+(split on whitespace, isolate punctuation), special-token matching in the raw text, and
+WordPiece (LinMaxMatch over a double-array trie) as soon as each word ends.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from fastbert.tokenization.reference import SPECIAL_TOKEN_NAMES, load_vocab
+
+_TRUNCATION = {True: "longest_first", False: "none", None: "none", "do_not_truncate": "none",
+               "longest_first": "longest_first", "only_first": "only_first", "only_second": "only_second"}
+_NO_LIMIT = 10**12  # HF writes model_max_length = int(1e30) when a checkpoint sets no limit
+_DECODE_CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                   (" 'm", "'m"), (" do not", " don't"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+
+
+def _load_core():
+    try:
+        from fastbert import _C
+    except ImportError as e:  # pragma: no cover - depends on the installation
+        raise ImportError(f"the fastbert C++ extension is not built ({e}); run "
+                          f"`pip install --no-build-isolation -e .` in the fastbert checkout") from None
+    if not hasattr(_C, "WordPieceCore"):  # pragma: no cover
+        raise ImportError("fastbert._C has no WordPieceCore: rebuild the extension "
+                          "(`pip install --no-build-isolation -e .`)")
+    return _C
+
+
+class WordPieceTokenizer:
+    """BERT WordPiece tokenizer in C++, with the results of HF ``BertTokenizerFast``.
+
+    Args:
+        vocab_path: a vocab.txt (or a directory holding one).
+        lowercase: lowercase the text (uncased vocabularies). HF's ``do_lower_case``.
+        strip_accents: NFD + drop non-spacing marks; ``None`` follows ``lowercase`` (as HF).
+        tokenize_chinese_chars: give each CJK ideograph its own word.
+        max_input_chars_per_word: longer words become one [UNK].
+        model_max_length: default ``max_length`` when truncating with ``max_length=None``.
+        *_token: the special tokens; each one present in the vocabulary is also matched as a whole
+            string in the raw text (as HF's added tokens), so "a[MASK]b" gives a, [MASK], b.
+    """
+
+    def __init__(self, vocab_path: str | Path, lowercase: bool = True, strip_accents: bool | None = None,
+                 tokenize_chinese_chars: bool = True, max_input_chars_per_word: int = 100,
+                 unk_token: str = "[UNK]", sep_token: str = "[SEP]", pad_token: str = "[PAD]",
+                 cls_token: str = "[CLS]", mask_token: str = "[MASK]", model_max_length: int | None = None):
+        _C = _load_core()
+        self.vocab_path = Path(vocab_path)
+        tokens = load_vocab(vocab_path)
+        self.ids_to_tokens: list[str] = tokens
+        self.vocab: dict[str, int] = {tok: i for i, tok in enumerate(tokens)}  # a repeated line: last id wins, as HF
+        self.lowercase = bool(lowercase)
+        self.strip_accents = strip_accents
+        self.tokenize_chinese_chars = bool(tokenize_chinese_chars)
+        if int(max_input_chars_per_word) < 1:
+            raise ValueError(f"max_input_chars_per_word must be >= 1, got {max_input_chars_per_word}")
+        self.max_input_chars_per_word = int(max_input_chars_per_word)
+        self.model_max_length = (None if model_max_length is None or model_max_length >= _NO_LIMIT
+                                 else int(model_max_length))
+        self.unk_token, self.sep_token, self.pad_token = unk_token, sep_token, pad_token
+        self.cls_token, self.mask_token = cls_token, mask_token
+        if unk_token not in self.vocab:
+            raise ValueError(
+                f"vocab file {self.vocab_path} has no unknown token {unk_token!r}. Add a line {unk_token} "
+                f"(BERT vocabularies have it at id 100) or pass unk_token= the token your vocabulary uses.")
+        specials = [(t, self.vocab[t]) for t in dict.fromkeys(self.all_special_tokens) if t and t in self.vocab]
+        strip = self.lowercase if strip_accents is None else bool(strip_accents)
+        self._core = _C.WordPieceCore(tokens, self.lowercase, strip, self.tokenize_chinese_chars,
+                                      self.max_input_chars_per_word, self.vocab[unk_token], specials)
+        self._cuda = None  # fastbert.tokenization._cuda.CudaWordPiece, made on first use
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, **kwargs) -> "WordPieceTokenizer":
+        """Load vocab.txt and tokenizer_config.json (do_lower_case, strip_accents,
+        tokenize_chinese_chars, model_max_length, special tokens) of an HF checkpoint directory.
+        Keyword arguments override the file."""
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise FileNotFoundError(f"tokenizer directory not found: {directory}; pass a directory with vocab.txt "
+                                    f"(and optionally tokenizer_config.json), or a vocab.txt to WordPieceTokenizer()")
+        options: dict = {}
+        config_path = directory / "tokenizer_config.json"
+        if config_path.is_file():
+            try:
+                config = json.loads(config_path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{config_path} is not valid JSON ({e}); fix or delete it") from None
+            if "do_lower_case" in config:
+                options["lowercase"] = bool(config["do_lower_case"])
+            for key in ("strip_accents", "tokenize_chinese_chars", "model_max_length", "max_input_chars_per_word"):
+                if config.get(key) is not None:
+                    options[key] = config[key]
+            for key in SPECIAL_TOKEN_NAMES:
+                value = config.get(key)
+                if isinstance(value, dict):  # serialized AddedToken
+                    value = value.get("content")
+                if isinstance(value, str):
+                    options[key] = value
+        options.update(kwargs)
+        return cls(directory / "vocab.txt", **options)
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write vocab.txt and tokenizer_config.json (atomically) so that from_pretrained, and HF, load them."""
+        from fastbert.io import atomic_write_text
+        directory = Path(directory)
+        atomic_write_text(directory / "vocab.txt", "".join(t + "\n" for t in self.ids_to_tokens))
+        config = {"tokenizer_class": "BertTokenizer", "do_lower_case": self.lowercase,
+                  "strip_accents": self.strip_accents, "tokenize_chinese_chars": self.tokenize_chinese_chars,
+                  "max_input_chars_per_word": self.max_input_chars_per_word,
+                  **{name: getattr(self, name) for name in SPECIAL_TOKEN_NAMES}}
+        if self.model_max_length is not None:
+            config["model_max_length"] = self.model_max_length
+        atomic_write_text(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+
+    # -- vocabulary and special tokens -----------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.ids_to_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.ids_to_tokens)
+
+    def _special_id(self, name: str) -> int:
+        token = getattr(self, name)
+        idx = self.vocab.get(token)
+        if idx is None:
+            raise ValueError(f"vocab file {self.vocab_path} has no {token!r} token ({name}), which this call needs. "
+                             f"Add it to the vocabulary (BERT: [PAD]=0, [UNK]=100, [CLS]=101, [SEP]=102, "
+                             f"[MASK]=103) or pass {name}= the token your vocabulary uses.")
+        return idx
+
+    unk_token_id = property(lambda self: self._special_id("unk_token"))
+    sep_token_id = property(lambda self: self._special_id("sep_token"))
+    pad_token_id = property(lambda self: self._special_id("pad_token"))
+    cls_token_id = property(lambda self: self._special_id("cls_token"))
+    mask_token_id = property(lambda self: self._special_id("mask_token"))
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        return [getattr(self, name) for name in SPECIAL_TOKEN_NAMES]
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        """Ids of the special tokens present in the vocabulary."""
+        return [self.vocab[t] for t in self.all_special_tokens if t in self.vocab]
+
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | list[int]:
+        """Id of each token; tokens not in the vocabulary give the [UNK] id."""
+        unk = self.unk_token_id
+        if isinstance(tokens, str):
+            return self.vocab.get(tokens, unk)
+        return [self.vocab.get(t, unk) for t in tokens]
+
+    def convert_ids_to_tokens(self, ids, skip_special_tokens: bool = False) -> str | list[str]:
+        if isinstance(ids, (int, np.integer)) or (hasattr(ids, "ndim") and ids.ndim == 0):
+            return self.ids_to_tokens[self._check_id(int(ids))]
+        special = set(self.all_special_ids) if skip_special_tokens else ()
+        return [self.ids_to_tokens[self._check_id(i)] for i in _to_list(ids) if i not in special]
+
+    def _check_id(self, i: int) -> int:
+        if not 0 <= i < len(self.ids_to_tokens):
+            raise ValueError(f"token id {i} is out of range for the vocabulary of {len(self.ids_to_tokens)} tokens "
+                             f"({self.vocab_path}); were the ids made with another vocabulary?")
+        return i
+
+    # -- encoding --------------------------------------------------------------------------------
+
+    def tokenize(self, text: str) -> list[str]:
+        """WordPiece tokens of ``text`` (no [CLS]/[SEP])."""
+        ids, _ = self._core.encode(text)
+        return [self.ids_to_tokens[i] for i in ids.tolist()]
+
+    def encode(self, text: str, text_pair: str | None = None, add_special_tokens: bool = True,
+               max_length: int | None = None, truncation: bool | str = True, padding: bool | str = False,
+               return_offsets: bool = False, pad_to_multiple_of: int | None = None) -> dict:
+        """Encode one text (or pair) as ``[CLS] a [SEP] (b [SEP])``. Returns a dict of lists:
+        ``input_ids``, ``token_type_ids``, ``attention_mask`` and, with ``return_offsets``,
+        ``offsets`` ((start, end) character positions in the original text; (0, 0) for special
+        tokens and padding). Options as ``encode_batch``."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}; use encode_batch() for a list")
+        if text_pair is not None and not isinstance(text_pair, str):
+            raise TypeError(f"text_pair must be a str, got {type(text_pair).__name__}")
+        enc = self.encode_batch([text], None if text_pair is None else [text_pair], add_special_tokens, max_length,
+                                truncation, "longest" if padding in (False, None) else padding, return_offsets,
+                                num_threads=1, pad_to_multiple_of=pad_to_multiple_of)
+        out = {key: value[0].tolist() for key, value in enc.items()}
+        if return_offsets:
+            out["offsets"] = [tuple(o) for o in out["offsets"]]
+        return out
+
+    def encode_batch(self, texts: list[str], text_pairs: list[str] | None = None, add_special_tokens: bool = True,
+                     max_length: int | None = None, truncation: bool | str = True, padding: bool | str = False,
+                     return_offsets: bool = False, num_threads: int | None = None, return_tensors: str | None = None,
+                     device=None, pad_to_multiple_of: int | None = None) -> dict:
+        """Encode a batch of texts (or pairs) into arrays, on all cores (or the GPU).
+
+        Args:
+            texts, text_pairs: lists of str; rows are ``[CLS] a [SEP] (b [SEP])``.
+            max_length: row length limit for truncation and ``padding="max_length"``; ``None``
+                means ``model_max_length`` (no limit if unset).
+            truncation: True / "longest_first" (HF's: trim the longer of a pair), "only_first",
+                "only_second", or False.
+            padding: False (rows keep their lengths), True / "longest", or "max_length".
+            return_offsets: add ``offsets``: (start, end) character positions into the original
+                text, HF ``offset_mapping`` semantics ((0, 0) for special tokens and padding).
+            num_threads: CPU threads (default: all cores).
+            return_tensors: None or "np" (NumPy arrays), or "pt" (torch tensors).
+            device: "cuda" (or a CUDA torch.device) tokenizes on the GPU and returns CUDA tensors.
+            pad_to_multiple_of: round the padded width up to a multiple of this.
+
+        Returns a dict with ``input_ids``, ``token_type_ids``, ``attention_mask`` (and ``offsets``):
+        int64 arrays of shape (rows, width) (offsets (rows, width, 2)) when padding; with
+        ``padding=False`` a list of one 1-D array per row (``return_tensors`` then needs rows of
+        one length).
+        """
+        if isinstance(texts, str):
+            raise TypeError("encode_batch takes a list of texts; use encode() for one text")
+        if return_tensors not in (None, "np", "pt"):
+            raise ValueError(f"return_tensors must be None, 'np' or 'pt', got {return_tensors!r}")
+        strategy = _truncation_strategy(truncation)
+        if strategy == "only_second" and text_pairs is None:
+            raise ValueError("truncation='only_second' needs text_pairs")
+        max_length = self._resolve_max_length(max_length, strategy, padding)
+        padding = _padding_mode(padding)
+        if num_threads is not None and int(num_threads) < 1:
+            raise ValueError(f"num_threads must be >= 1 (or None for all cores), got {num_threads}")
+        if pad_to_multiple_of is not None and int(pad_to_multiple_of) < 1:
+            raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
+        cls_id = sep_id = -1
+        if add_special_tokens:
+            cls_id, sep_id = self.cls_token_id, self.sep_token_id
+        pad_id = self.pad_token_id if padding != "none" else 0
+        args = dict(add_special_tokens=bool(add_special_tokens), max_length=-1 if max_length is None else max_length,
+                    truncation=strategy, padding=padding, pad_to_multiple_of=int(pad_to_multiple_of or 0),
+                    return_offsets=bool(return_offsets), cls_id=cls_id, sep_id=sep_id, pad_id=pad_id)
+        if device is not None and _is_cuda(device):
+            return self._cuda_path().encode_batch(texts, text_pairs, device=device, **args)
+        enc = self._core.encode_batch(texts, text_pairs, num_threads=int(num_threads or 0), **args)
+        if padding == "none":
+            splits = enc.pop("row_splits")
+            enc["attention_mask"] = np.ones(len(enc["input_ids"]), dtype=np.int64)
+            bounds = list(zip(splits[:-1].tolist(), splits[1:].tolist()))
+            enc = {key: [value[a:b] for a, b in bounds] for key, value in enc.items()}
+        if return_tensors is not None:
+            enc = _as_tensors(enc, return_tensors, device)
+        return {key: enc[key] for key in ("input_ids", "token_type_ids", "attention_mask", "offsets") if key in enc}
+
+    def encode_flat(self, texts: list[str], num_threads: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids of every text back to back, without special tokens, and ``row_splits``
+        (len(texts) + 1 int64): text i is ``ids[row_splits[i]:row_splits[i + 1]]``. The fastest path,
+        for corpus preparation."""
+        return self._core.encode_flat(texts, int(num_threads or 0))
+
+    def _cuda_path(self):
+        if self._cuda is None:
+            from fastbert.tokenization._cuda import CudaWordPiece
+            self._cuda = CudaWordPiece(self)
+        return self._cuda
+
+    def _resolve_max_length(self, max_length, strategy, padding) -> int | None:
+        if max_length is None and (strategy != "none" or padding == "max_length"):
+            max_length = self.model_max_length
+        if padding == "max_length" and max_length is None:
+            raise ValueError("padding='max_length' needs max_length (or a tokenizer with model_max_length)")
+        if max_length is not None and max_length < 0:
+            raise ValueError(f"max_length must be >= 0, got {max_length}")
+        return max_length
+
+    def __call__(self, text, text_pair=None, add_special_tokens: bool = True, padding: bool | str = False,
+                 truncation: bool | str | None = None, max_length: int | None = None,
+                 pad_to_multiple_of: int | None = None, return_tensors: str | None = None,
+                 return_token_type_ids: bool = True, return_attention_mask: bool = True,
+                 return_offsets_mapping: bool = False, return_special_tokens_mask: bool = False,
+                 num_threads: int | None = None, device=None) -> dict:
+        """Like HF ``tokenizer(text, text_pair, ...)``: a str gives lists, a list of str gives lists of
+        lists (or, with ``return_tensors="np"/"pt"``, arrays / tensors). ``truncation=None``
+        truncates only when ``max_length`` is given (HF's default); offsets come as ``offset_mapping``."""
+        if truncation is None:
+            truncation = max_length is not None
+        batched = not isinstance(text, str)
+        if batched:
+            if text_pair is not None and isinstance(text_pair, str):
+                raise TypeError("text is a list but text_pair is a str; pass a list of pairs")
+            texts, pairs = text, text_pair
+        else:
+            texts, pairs = [text], None if text_pair is None else [text_pair]
+        enc = self.encode_batch(texts, pairs, add_special_tokens, max_length, truncation, padding, True,
+                                num_threads, None, device, pad_to_multiple_of)
+        enc["offset_mapping"] = enc.pop("offsets")
+        if return_special_tokens_mask:
+            special = np.asarray(sorted(self.all_special_ids), dtype=np.int64)
+            if isinstance(enc["input_ids"], list):
+                enc["special_tokens_mask"] = [np.isin(row, special).astype(np.int64) for row in enc["input_ids"]]
+            elif hasattr(enc["input_ids"], "cpu"):  # CUDA tensors
+                import torch
+                enc["special_tokens_mask"] = torch.isin(enc["input_ids"], torch.as_tensor(
+                    special, device=enc["input_ids"].device)).long()
+            else:
+                enc["special_tokens_mask"] = np.isin(enc["input_ids"], special).astype(np.int64)
+        if not return_offsets_mapping:
+            del enc["offset_mapping"]
+        if not return_token_type_ids:
+            del enc["token_type_ids"]
+        if not return_attention_mask:
+            del enc["attention_mask"]
+        if return_tensors is not None:
+            return _as_tensors(enc, return_tensors, device)
+        out = {}
+        for key, value in enc.items():
+            rows = [_row_list(row, key) for row in value]
+            out[key] = rows if batched else rows[0]
+        return out
+
+    # -- decoding --------------------------------------------------------------------------------
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``: pieces joined by spaces, "##" continuations glued on, and HF's per-token
+        clean-up (" ." -> ".", " ," -> ",", " n't" -> "n't", ...)."""
+        tokens = self.convert_ids_to_tokens(_to_list(ids), skip_special_tokens=skip_special_tokens)
+        parts = []
+        for i, tok in enumerate(tokens):
+            if i > 0:
+                tok = tok[2:] if tok.startswith("##") else " " + tok
+            for dirty, clean in _DECODE_CLEANUP:
+                tok = tok.replace(dirty, clean)
+            parts.append(tok)
+        return "".join(parts)
+
+    def batch_decode(self, sequences, skip_special_tokens: bool = True) -> list[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in _to_list(sequences)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Helpers
+# ------------------------------------------------------------------------------------------------
+
+def _to_list(ids) -> list:
+    if hasattr(ids, "tolist"):  # numpy array / torch tensor
+        return ids.tolist()
+    return list(ids)
+
+
+def _row_list(row, key: str) -> list:
+    values = row.tolist()
+    return [tuple(o) for o in values] if key == "offset_mapping" else values
+
+
+def _truncation_strategy(truncation) -> str:
+    try:
+        return _TRUNCATION[truncation]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown truncation {truncation!r}; use True, False or one of "
+                         f"'longest_first', 'only_first', 'only_second'") from None
+
+
+def _padding_mode(padding) -> str:
+    if padding is True or padding == "longest":
+        return "longest"
+    if padding is False or padding is None or padding == "do_not_pad":
+        return "none"
+    if padding == "max_length":
+        return "max_length"
+    raise ValueError(f"unknown padding {padding!r}; use False, True / 'longest' or 'max_length'")
+
+
+def _is_cuda(device) -> bool:
+    return str(device).startswith("cuda")
+
+
+def _as_tensors(enc: dict, kind: str, device=None) -> dict:
+    if kind not in ("np", "pt"):
+        raise ValueError(f"return_tensors must be None, 'np' or 'pt', got {kind!r}")
+    out = {}
+    for key, value in enc.items():
+        if hasattr(value, "device") and hasattr(value, "cpu"):  # already a torch tensor (GPU path)
+            out[key] = value.cpu().numpy() if kind == "np" else value
+            continue
+        if isinstance(value, list):
+            if len({len(row) for row in value}) > 1:
+                raise ValueError(f"return_tensors={kind!r} needs rows of equal length; pass padding=True "
+                                 f"or padding='max_length'")
+            value = np.stack(value) if value else np.zeros((0, 0), dtype=np.int64)
+        if kind == "pt":
+            import torch
+            value = torch.from_numpy(value)
+            if device is not None:
+                value = value.to(device)
+        out[key] = value
+    return out
+
+
+__all__ = ["WordPieceTokenizer"]
