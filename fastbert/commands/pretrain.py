@@ -42,8 +42,9 @@ def run(args) -> int:
         overrides.append(f"output_dir={json.dumps(args.output_dir)}")
     cfg = load_config(args.config, overrides)
     summary = run_pretraining(cfg)
+    import os
     ev = summary.get("eval") or {}
-    if ev:
+    if ev and int(os.environ.get("RANK", "0")) == 0:
         print(f"final: step {summary['steps']} | MLM accuracy {ev['mlm_acc']:.4f} | MLM loss {ev['mlm_loss']:.4f}"
               + (f" | NSP accuracy {ev['nsp_acc']:.4f}" if "nsp_acc" in ev else "")
               + (f" | HF checkpoint {summary['hf_dir']}" if summary.get("hf_dir") else ""))

@@ -115,6 +115,15 @@ def tokenize_documents(tok, docs: list[list[str]]) -> list[list[list[int]]]:
     return out
 
 
+def split_documents(docs: list, seed: int, number: int, val_fraction: float) -> dict:
+    """Assign whole documents to train / val (per-file RNG: independent of worker count)."""
+    rng = random.Random(f"{seed}:split:{number}")
+    by_split = {s: [] for s in SPLITS}
+    for d in docs:
+        by_split["val" if rng.random() < val_fraction else "train"].append(d)
+    return by_split
+
+
 def process_file(task: dict) -> dict:
     """Read, split, tokenize, pack and write the shards of one input file (runs in a worker)."""
     tok = _TOKENIZER
@@ -123,10 +132,7 @@ def process_file(task: dict) -> dict:
     if not read_text(path).strip():
         raise CorpusError(f"{path}: the file holds no text; remove it from --corpus")
     docs = tokenize_documents(tok, read_documents(path))
-    split_rng = random.Random(f"{task['seed']}:split:{number}")
-    by_split = {s: [] for s in SPLITS}
-    for d in docs:
-        by_split["val" if split_rng.random() < task["val_fraction"] else "train"].append(d)
+    by_split = split_documents(docs, task["seed"], number, task["val_fraction"])
     infos = {}
     for split in SPLITS:
         rng = random.Random(f"{task['seed']}:pack:{split}:{number}")

@@ -31,6 +31,7 @@ from fastbert.training.engine import TrainEngine, barrier
 
 MARKER = "fastbert_complete.json"
 TAG_RE = re.compile(r"^step_(\d{8,})$")
+UNIVERSAL_SUFFIX = "_universal"
 
 
 def tag_for(step: int) -> str:
@@ -122,7 +123,38 @@ def apply_retention(ckpt_dir: Path, keep: int) -> list[str]:
             removed.append(p.name)
     for t in removed:
         shutil.rmtree(Path(ckpt_dir) / t, ignore_errors=True)
+    for p in Path(ckpt_dir).glob(f"step_*{UNIVERSAL_SUFFIX}"):    # conversions of deleted checkpoints
+        if not (Path(ckpt_dir) / p.name[:-len(UNIVERSAL_SUFFIX)]).is_dir():
+            shutil.rmtree(p, ignore_errors=True)
     return removed
+
+
+def checkpoint_world_size(ckpt_dir, tag: str) -> int:
+    return int(json.loads((Path(ckpt_dir) / tag / MARKER).read_text())["world_size"])
+
+
+def convert_to_universal(ckpt_dir, tag: str) -> str:
+    """Convert checkpoint ``tag`` into DeepSpeed's universal format (``<tag>_universal``), which loads on
+    any number of ranks. Runs DeepSpeed's converter in a subprocess; call on one rank only."""
+    import os
+    import subprocess
+    import sys
+    ckpt_dir = Path(ckpt_dir)
+    target = ckpt_dir / (tag + UNIVERSAL_SUFFIX)
+    if (target / MARKER).is_file():
+        return target.name
+    tmp = ckpt_dir / f".{target.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt_dir / tag),
+           "--output_folder", str(tmp), "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    if res.returncode != 0:
+        raise RuntimeError(f"converting {ckpt_dir / tag} to DeepSpeed's universal format failed:\n{res.stderr[-3000:]}")
+    marker = json.loads((ckpt_dir / tag / MARKER).read_text())
+    atomic_write_text(tmp / MARKER, json.dumps(dict(marker, universal=True, source=tag), indent=1) + "\n")
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    return target.name
 
 
 def load_checkpoint(engine: TrainEngine, ckpt_dir, tag: Optional[str] = None,
@@ -134,6 +166,9 @@ def load_checkpoint(engine: TrainEngine, ckpt_dir, tag: Optional[str] = None,
     tag = tag or find_latest(ckpt_dir)
     if tag is None:
         raise FileNotFoundError(f"no complete checkpoint in {ckpt_dir}")
+    if not (ckpt_dir / tag).is_dir():
+        have = [t for _, t in complete_tags(ckpt_dir)]
+        raise FileNotFoundError(f"checkpoint {ckpt_dir / tag} not found; complete checkpoints there: {have or 'none'}")
     if not (ckpt_dir / tag / MARKER).is_file():
         raise FileNotFoundError(f"checkpoint {ckpt_dir / tag} is incomplete (no {MARKER}); it was interrupted "
                                 "while saving: resume from an earlier tag")

@@ -310,6 +310,9 @@ def build_engine(model: torch.nn.Module, ds_config=None, *, optimizer: Union[dic
     global_batch_size = global_batch_size or micro_batch_size * dist.world_size
     resolved = resolve_precision(precision, dist.device)
     model = model.to(dist.device)
+    # Marks checkpoints as convertible to DeepSpeed's universal format (resume on another rank count).
+    if getattr(model, "universal_checkpoint_info", None) is None:
+        model.universal_checkpoint_info = {}
     groups = param_groups(model, spec.weight_decay)
     client = build_client_optimizer(spec, groups, dist.device.type)
     cfg = build_ds_config(ds_config, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,

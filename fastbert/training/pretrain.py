@@ -21,7 +21,8 @@ from typing import Optional
 import torch
 
 from fastbert.training import checkpoint as ckpt
-from fastbert.training.engine import DistInfo, TrainEngine, all_reduce_sum, barrier, build_engine, init_distributed
+from fastbert.training.engine import (DistInfo, TrainEngine, all_reduce_sum, barrier, build_engine, init_distributed,
+                                     load_ds_config)
 from fastbert.training.logging import MetricsLogger, peak_tflops, train_flops_per_sequence
 from fastbert.training.schedules import (StepSchedule, TimeBudgetSchedule, make_clock, parse_duration,
                                          torch_all_reduce_max)
@@ -68,6 +69,34 @@ def build_model(cfg: dict, index: dict, device: torch.device):
     if head == "masked_lm":
         return fastbert.BertForMaskedLM(config)
     raise ValueError(f"model.head={head!r} is not known; use auto, pretraining or masked_lm")
+
+
+def choose_resume(resume, ckpt_dir: Path, dist: DistInfo, ds_config: dict, log) -> tuple[Optional[str], dict]:
+    """The checkpoint tag to resume from (None = fresh start) and the DeepSpeed config to build with.
+    A checkpoint written by another number of ranks is converted to DeepSpeed's universal format
+    once (rank 0) and loaded from there."""
+    if resume == "never":
+        return None, ds_config
+    tag = resume if resume not in ("auto", "must") else ckpt.find_latest(ckpt_dir)
+    if tag is None:
+        if resume == "must":
+            raise FileNotFoundError(f"checkpoint.resume=must but {ckpt_dir} holds no complete checkpoint")
+        return None, ds_config
+    if not (ckpt_dir / tag / ckpt.MARKER).is_file():
+        raise FileNotFoundError(f"checkpoint {ckpt_dir / tag} not found or incomplete; complete checkpoints: "
+                                f"{[t for _, t in ckpt.complete_tags(ckpt_dir)] or 'none'}")
+    universal = dict(ds_config, checkpoint=dict(ds_config.get("checkpoint", {}), load_universal=True))
+    if tag.endswith(ckpt.UNIVERSAL_SUFFIX):
+        return tag, universal
+    saved_world = ckpt.checkpoint_world_size(ckpt_dir, tag)
+    if saved_world == dist.world_size:
+        return tag, ds_config
+    log.print(f"[fastbert] {tag} was written by {saved_world} ranks; converting it to DeepSpeed's universal "
+              f"format to resume on {dist.world_size}")
+    if dist.is_main:
+        ckpt.convert_to_universal(ckpt_dir, tag)
+    barrier()
+    return tag + ckpt.UNIVERSAL_SUFFIX, universal
 
 
 def _seed_all(seed: int) -> None:
@@ -200,7 +229,10 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger) -> dict:
     seed = int(t_cfg["seed"])
     _seed_all(seed)                                   # identical initial weights on every rank
     model = build_model(cfg, index, dist.device)
-    engine = build_engine(model, t_cfg["deepspeed"], optimizer=t_cfg["optimizer"],
+    ckpt_dir = out_dir / "checkpoints"
+    c_cfg = cfg["checkpoint"]
+    resume_tag, ds_config = choose_resume(c_cfg["resume"], ckpt_dir, dist, load_ds_config(t_cfg["deepspeed"]), log)
+    engine = build_engine(model, ds_config, optimizer=t_cfg["optimizer"],
                           micro_batch_size=t_cfg["micro_batch_size"], global_batch_size=t_cfg["global_batch_size"],
                           precision=t_cfg["precision"], gradient_clipping=t_cfg["gradient_clipping"],
                           zero_stage=t_cfg["zero_stage"], dist=dist)
@@ -226,14 +258,7 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger) -> dict:
     eval_collator = collator_for(data_dir, seed=seed * 7919 + 104729 + dist.rank, **mk)
     eval_state = eval_collator.state_dict()
 
-    # Resume.
-    ckpt_dir = out_dir / "checkpoints"
-    c_cfg = cfg["checkpoint"]
-    resume_tag = None
-    if c_cfg["resume"] != "never":
-        resume_tag = c_cfg["resume"] if c_cfg["resume"] not in ("auto", "must") else ckpt.find_latest(ckpt_dir)
-        if resume_tag is None and c_cfg["resume"] == "must":
-            raise FileNotFoundError(f"checkpoint.resume=must but {ckpt_dir} holds no complete checkpoint")
+    # Resume (the tag was chosen before the engine was built: another rank count needs the universal format).
     if resume_tag is not None:
         client, rank_state = ckpt.load_checkpoint(engine, ckpt_dir, resume_tag)
         schedule.load_state_dict(client["schedule"])
@@ -274,6 +299,10 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger) -> dict:
               f"{engine.global_batch_size} = {engine.micro_batch_size} x {dist.world_size} x {engine.grad_accum} | "
               f"{len(train_data)} train sequences")
 
+    log.log("start", start_step, world_size=dist.world_size, num_nodes=dist.num_nodes,
+            local_world_size=dist.local_world_size, zero_stage=engine.zero_stage, precision=engine.precision,
+            grad_accum=engine.grad_accum, global_batch_size=engine.global_batch_size, device=str(dist.device),
+            train_sequences=len(train_data))
     acc = Accumulator(dist.device)
     log_every = cfg["log"]["every_steps"]
     want_eval_at, want_ckpt_at = _next_deadline(e_cfg["every_minutes"]), _next_deadline(c_cfg["every_minutes"])
