@@ -45,6 +45,18 @@ def resolve_seed(dropout_p: float, seed) -> int:
     return draw_seed() if seed is None else int(seed)
 
 
+def autocast_dtype(device: torch.device):
+    """The dtype torch.autocast would run matmuls in on ``device``, or None outside autocast
+    (custom ops are opaque to autocast, so the matmul ops cast their inputs themselves)."""
+    try:
+        if torch.is_autocast_enabled(device.type):
+            return torch.get_autocast_dtype(device.type)
+    except (TypeError, AttributeError):  # pragma: no cover - torch < 2.4
+        if device.type == "cuda" and torch.is_autocast_enabled():
+            return torch.get_autocast_gpu_dtype()
+    return None
+
+
 # ----------------------------------------------------------------------------- checks
 def check_triton_device(*tensors):
     """Triton kernels need CUDA tensors, or the interpreter (TRITON_INTERPRET=1) for CPU ones."""

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from fastbert.ops._common import INTERPRET, check_triton_device, num_sms, register_op  # noqa: E402
+from fastbert.ops._common import INTERPRET, autocast_dtype, check_triton_device, num_sms, register_op  # noqa: E402
 
 _SQRT1_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -99,7 +99,8 @@ def matmul_configs(small):
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
         triton.Config({"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
+        # 96 KiB of shared memory: two programs per SM, one's epilogue overlapping the other's loop
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=3),
     ]
     if small:
         cfg.append(triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4))
@@ -275,6 +276,10 @@ def linear_bias_gelu(x, weight, bias, approximate="none"):
     """Fused ``gelu(x @ weight.T + bias)``; same signature and semantics as :func:`linear_bias_gelu_ref`."""
     _check_approximate(approximate)
     check_triton_device(x, weight, bias)
+    cast = autocast_dtype(x.device)
+    if cast is not None:  # behave like F.linear under torch.autocast
+        x, weight = x.to(cast), weight.to(cast)
+        bias = bias.to(cast) if bias is not None else None
     if x.shape[-1] != weight.shape[-1] or weight.dim() != 2:
         raise ValueError(f"linear_bias_gelu: x (..., {x.shape[-1]}) does not match weight {tuple(weight.shape)}")
     if bias is not None and bias.shape != (weight.shape[0],):

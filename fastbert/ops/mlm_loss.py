@@ -50,7 +50,7 @@ def sparse_mlm_loss_ref(hidden, labels, dense_weight, dense_bias, ln_weight, ln_
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from fastbert.ops._common import INTERPRET, check_triton_device, register_op  # noqa: E402
+from fastbert.ops._common import INTERPRET, autocast_dtype, check_triton_device, register_op  # noqa: E402
 from fastbert.ops.ffn import input_precision, linear_bias_gelu, mm_tile  # noqa: E402
 from fastbert.ops.layer_norm import dropout_add_layer_norm  # noqa: E402
 
@@ -261,5 +261,7 @@ def sparse_mlm_loss(hidden, labels, dense_weight, dense_bias, ln_weight, ln_bias
     h = dropout_add_layer_norm(h, None, ln_weight, ln_bias, eps)
     if decoder_bias is None:
         decoder_bias = torch.zeros(v, dtype=decoder_weight.dtype, device=decoder_weight.device)
+    # The decoder runs in the transform's dtype (the autocast dtype under torch.autocast).
+    decoder_weight, decoder_bias = decoder_weight.to(h.dtype), decoder_bias.to(h.dtype)
     loss, correct = LinearCrossEntropyFn.apply(h.contiguous(), decoder_weight, decoder_bias, y.contiguous())
     return loss, correct, torch.tensor(n, device=hidden.device)

@@ -111,7 +111,8 @@ def test_custom_op_and_torch_compile():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m,k,n", [(4096, 768, 3072), (4096, 1024, 4096), (1000, 3072, 768), (2458, 768, 768)])
+@pytest.mark.parametrize("m,k,n,dtype", [(4096, 768, 3072, torch.bfloat16), (4096, 1024, 4096, torch.bfloat16),
+                                         (1000, 3072, 768, torch.bfloat16), (2458, 1024, 1024, torch.float16)])
 def test_gpu_bert_shapes(m, k, n, dtype):
     check((m,), k, n, dtype, "none")
+    check((m,), k, n, dtype, "tanh")

@@ -169,3 +169,19 @@ def test_gpu_bert_shapes(shape, dtype):
     check_against_reference(make_inputs(shape, dtype), dtype, prenorm=True)
     mask = dropout_mask(5, shape[0] * shape[1], shape[2], 0.1, DEVICE)
     check_against_reference(make_inputs(shape, dtype), dtype, prenorm=False, mask=mask, p=0.1, seed=5)
+
+
+def test_mixed_dtypes_like_autocast():
+    """Under torch.autocast a block sees x in fp16 from a matmul but an fp32 residual and fp32
+    parameters: output and pre-norm sum follow x's dtype, each gradient its input's dtype."""
+    inputs = make_inputs((5, 96), torch.float32)
+    inputs["x"] = inputs["x"].detach().half().requires_grad_()
+    grads = [torch.randn(5, 96, generator=torch.Generator().manual_seed(2)).to(DEVICE) for _ in range(2)]
+    outs, dk = run(dropout_add_layer_norm, inputs, grads, prenorm=True)
+    outs_ref, dr = run(dropout_add_layer_norm_ref, {k: v.double() for k, v in inputs.items()}, grads, prenorm=True)
+    assert [o.dtype for o in outs] == [torch.float16, torch.float16]
+    assert dk["x"].dtype == torch.float16 and dk["residual"].dtype == torch.float32
+    for o, r in zip(outs, outs_ref):
+        torch.testing.assert_close(o.double(), r, rtol=2e-3, atol=2e-3)
+    for k in dk:
+        torch.testing.assert_close(dk[k].double(), dr[k].double(), rtol=2e-3, atol=2e-3)

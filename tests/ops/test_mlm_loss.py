@@ -38,17 +38,18 @@ def make_inputs(tokens, hidden, vocab, dtype, frac=0.4, ignore_index=-100, hit=T
     }
     labels = torch.randint(0, vocab, (tokens,), generator=g)
     labels[torch.rand(tokens, generator=g) >= frac] = ignore_index
+    labels = labels.to(DEVICE)
     if hit:
         # Make about half of the predicted labels the model's argmax, so num_correct is not trivially 0.
         with torch.no_grad():
-            d = {k: v.double() for k, v in p.items()}
+            d = {k: v.to(DEVICE, torch.float64) for k, v in p.items()}
             h = mlm_transform_ref(d["hidden"], d["dense_weight"], d["dense_bias"], d["ln_weight"], d["ln_bias"], 1e-12)
             top2 = F.linear(h, d["decoder_weight"], d["decoder_bias"]).topk(2, dim=-1)
             # only rows whose top-1 clearly beats top-2, so rounding cannot flip the argmax
             clear = (top2.values[:, 0] - top2.values[:, 1]) > 0.05
-            flip = (labels != ignore_index) & clear & (torch.arange(tokens) % 2 == 0)
+            flip = (labels != ignore_index) & clear & (torch.arange(tokens, device=DEVICE) % 2 == 0)
             labels[flip] = top2.indices[flip, 0]
-    return labels.to(DEVICE), {k: v.to(DEVICE, dtype) for k, v in p.items()}
+    return labels, {k: v.to(DEVICE, dtype) for k, v in p.items()}
 
 
 def run(fn, labels, params, dtype, **kw):

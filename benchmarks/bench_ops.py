@@ -1,0 +1,383 @@
+"""Microbenchmarks of the fused Triton ops against torch eager and torch.compile, on one GPU.
+
+    python3 benchmarks/bench_ops.py                 # all ops, BERT-base and BERT-large shapes
+    python3 benchmarks/bench_ops.py --ops ln,ffn --no-compile
+
+First every op is checked on the card against its plain-PyTorch reference (fp32 reference,
+kernel error <= 2x torch's own bf16 error + atol); then each contender is timed in the same run
+with CUDA events (triton.testing.do_bench, median, L2 flushed between runs) on random data.
+Reported: milliseconds, achieved bandwidth (memory-bound ops: the bytes the fused op must move,
+the same count for every contender) or TFLOP/s (matmul ops), speed-up over torch eager, and peak
+memory allocated above the inputs. A table is printed last; with $OUT set, JSON goes to
+$OUT/bench_ops.json.
+
+Contenders per op:
+  ln    residual + bias + dropout + LayerNorm: fastbert | torch eager reference | torch.compile(reference)
+  ffn   gelu(x @ W.T + b), up-projection: fastbert | cuBLAS (F.linear) + separate F.gelu | torch.compile
+  emb   word + position + type gather, LayerNorm, dropout: fastbert | eager reference | torch.compile
+  mlm   MLM head + loss at batch 128 x seq 128, 15% masked, vocab 30522: fastbert sparse fused |
+        HF BertOnlyMLMHead on every token + CrossEntropyLoss (dense) | the same compiled |
+        fastbert's sparse torch reference
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fastbert.ops._common import dropout_mask  # noqa: E402
+from fastbert.ops.embeddings import bert_embeddings, bert_embeddings_ref  # noqa: E402
+from fastbert.ops.ffn import linear_bias_gelu, linear_bias_gelu_ref  # noqa: E402
+from fastbert.ops.layer_norm import dropout_add_layer_norm, dropout_add_layer_norm_ref  # noqa: E402
+from fastbert.ops.mlm_loss import sparse_mlm_loss, sparse_mlm_loss_ref  # noqa: E402
+
+DT = torch.bfloat16
+DEV = "cuda"
+TOKENS = 32768          # e.g. batch 256 x seq 128 of real (unpadded) tokens
+HIDDENS = (768, 1024)   # BERT-base, BERT-large
+VOCAB = 30522
+MLM_BATCH, MLM_SEQ = 128, 128
+ROWS: list[dict] = []
+CHECKS: list[dict] = []
+
+
+# ----------------------------------------------------------------------------- helpers
+def timed(fn):
+    """(median ms, peak MiB allocated above what was live before the call)."""
+    if DEV != "cuda":  # --smoke on the CPU (interpreter): run once, no timing worth the name
+        import time
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3, 0.0
+    from triton.testing import do_bench
+    fn()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    return do_bench(fn, warmup=25, rep=100, return_mode="median"), peak
+
+
+def record(op, shape, mode, impl, ms, peak, *, nbytes=None, flops=None, eager_ms=None):
+    row = dict(op=op, shape=shape, mode=mode, impl=impl, ms=round(ms, 4), peak_mib=round(peak, 1))
+    if nbytes is not None:
+        row["TB/s"] = round(nbytes / ms / 1e9, 3)
+    if flops is not None:
+        row["TFLOP/s"] = round(flops / ms / 1e9, 1)
+    if eager_ms is not None:
+        row["speedup_vs_eager"] = round(eager_ms / ms, 2)
+    ROWS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def grad_fn(fn, inputs, grads):
+    """A closure running fn forward + backward w.r.t. inputs (returning nothing)."""
+    def run():
+        outs = fn()
+        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+        torch.autograd.grad([o for o in outs[:len(grads)]], inputs, grads[:len(outs)])
+    return run
+
+
+def maybe_compile(fn, enabled):
+    return torch.compile(fn, dynamic=False) if enabled else None
+
+
+def randn(*shape, g, scale=1.0, shift=0.0):
+    return shift + scale * torch.randn(*shape, generator=g).to(DEV, DT)
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def check(name, out, same, ref, atol=1e-2):
+    """Kernel error vs the fp32 reference within 2x torch's own same-dtype error + atol."""
+    ref = ref.double()
+    err = (out.double() - ref).abs().max().item()
+    err_same = (same.double() - ref).abs().max().item()
+    tol = 2 * err_same + atol * max(1.0, ref.abs().max().item())
+    ok = err <= tol and err == err  # NaN fails
+    CHECKS.append(dict(check=name, err=err, torch_err=err_same, ok=ok))
+    print(f"check {name:<40} kernel err {err:9.3g}  torch same-dtype err {err_same:9.3g}  {'PASS' if ok else 'FAIL'}",
+          flush=True)
+
+
+def leaves(tensors, dtype=None):
+    return [t.detach().to(dtype or t.dtype).requires_grad_() if t is not None else None for t in tensors]
+
+
+# ----------------------------------------------------------------------------- LayerNorm
+def ln_inputs(m, n, g):
+    return [randn(m, n, g=g),                       # x (matmul output, no bias)
+            randn(m, n, g=g),                       # residual
+            randn(n, g=g, scale=0.1, shift=1.0),    # weight
+            randn(n, g=g, scale=0.1),               # bias
+            randn(n, g=g, scale=0.1)]               # x_bias
+
+
+def bench_ln(n, compile_):
+    g = gen(0)
+    m = TOKENS
+    x, r, w, b, xb = ln_inputs(m, n, g)
+    shape = f"{m}x{n}"
+    # correctness (full op: bias + dropout + residual, prenorm outputs) vs fp32 with the same mask
+    mask = dropout_mask(3, m, n, 0.1, DEV)
+    dy = randn(m, n, g=g)
+
+    def masked_ref(x, r, w, b, xb):
+        return dropout_add_layer_norm_ref((x + xb) * mask / 0.9, r, w, b, 1e-12)
+    results = []
+    for fn, dt in ((lambda *a: dropout_add_layer_norm(*a[:4], 1e-12, x_bias=a[4], dropout_p=0.1, seed=3), DT),
+                   (masked_ref, DT), (masked_ref, torch.float32)):
+        ins = leaves((x, r, w, b, xb), dt)
+        out = fn(*ins)
+        results.append((out, torch.autograd.grad(out, ins, dy.to(dt))))
+    for i, name in enumerate(("out", "dx", "dresidual", "dweight", "dbias", "dx_bias")):
+        get = (lambda r: r[0]) if i == 0 else (lambda r, i=i: r[1][i - 1])
+        check(f"ln {shape} {name}", *(get(r) for r in results))
+
+    # forward: residual add + LayerNorm (the issue's baseline) and the full training op
+    for label, kw, extra in (("add+LN", {}, None), ("bias+dropout+add+LN", dict(dropout_p=0.1), xb)):
+        fused = lambda: dropout_add_layer_norm(x, r, w, b, 1e-12, x_bias=extra, seed=1, **kw)  # noqa: E731
+        eager = lambda: dropout_add_layer_norm_ref(x, r, w, b, 1e-12, x_bias=extra, **kw)  # noqa: E731
+        nbytes = 3 * m * n * 2  # read x, residual; write y
+        with torch.no_grad():
+            t_e, p_e = timed(eager)
+            record("ln", shape, f"fwd {label}", "torch eager", t_e, p_e, nbytes=nbytes, eager_ms=t_e)
+            comp = maybe_compile(dropout_add_layer_norm_ref, compile_)
+            if comp is not None:
+                t, p = timed(lambda: comp(x, r, w, b, 1e-12, x_bias=extra, **kw))
+                record("ln", shape, f"fwd {label}", "torch.compile", t, p, nbytes=nbytes, eager_ms=t_e)
+            t, p = timed(fused)
+            record("ln", shape, f"fwd {label}", "fastbert", t, p, nbytes=nbytes, eager_ms=t_e)
+
+    # forward + backward of the full op: bytes the fused op must move (fwd 3, bwd x, res, dy in; dx, dres out)
+    nbytes = 8 * m * n * 2
+    ins = leaves((x, r, w, b, xb))
+    kw = dict(x_bias=ins[4], dropout_p=0.1)
+    t_e, p_e = timed(grad_fn(lambda: dropout_add_layer_norm_ref(*ins[:4], 1e-12, **kw), ins, [dy]))
+    record("ln", shape, "fwd+bwd bias+dropout+add+LN", "torch eager", t_e, p_e, nbytes=nbytes, eager_ms=t_e)
+    comp = maybe_compile(dropout_add_layer_norm_ref, compile_)
+    if comp is not None:
+        t, p = timed(grad_fn(lambda: comp(*ins[:4], 1e-12, **kw), ins, [dy]))
+        record("ln", shape, "fwd+bwd bias+dropout+add+LN", "torch.compile", t, p, nbytes=nbytes, eager_ms=t_e)
+    t, p = timed(grad_fn(lambda: dropout_add_layer_norm(*ins[:4], 1e-12, seed=1, **kw), ins, [dy]))
+    record("ln", shape, "fwd+bwd bias+dropout+add+LN", "fastbert", t, p, nbytes=nbytes, eager_ms=t_e)
+
+
+# ----------------------------------------------------------------------------- FFN
+def cublas_gelu(x, w, b):
+    return F.gelu(F.linear(x, w, b))
+
+
+def bench_ffn(k, compile_):
+    g = gen(1)
+    m, n = TOKENS, 4 * k
+    x = randn(m, k, g=g)
+    w = randn(n, k, g=g, scale=k ** -0.5)
+    b = randn(n, g=g, scale=0.1)
+    dy = randn(m, n, g=g)
+    shape = f"{m}x{k}->{n}"
+    results = []
+    for fn, dt in ((linear_bias_gelu, DT), (linear_bias_gelu_ref, DT), (linear_bias_gelu_ref, torch.float32)):
+        ins = leaves((x, w, b), dt)
+        out = fn(*ins)
+        results.append((out, torch.autograd.grad(out, ins, dy.to(dt))))
+    for i, name in enumerate(("out", "dx", "dweight", "dbias")):
+        get = (lambda r: r[0]) if i == 0 else (lambda r, i=i: r[1][i - 1])
+        check(f"ffn {shape} {name}", *(get(r) for r in results))
+
+    flops = 2 * m * n * k
+    with torch.no_grad():
+        t_e, p_e = timed(lambda: cublas_gelu(x, w, b))
+        record("ffn", shape, "fwd (inference)", "cuBLAS + F.gelu", t_e, p_e, flops=flops, eager_ms=t_e)
+        comp = maybe_compile(cublas_gelu, compile_)
+        if comp is not None:
+            t, p = timed(lambda: comp(x, w, b))
+            record("ffn", shape, "fwd (inference)", "torch.compile", t, p, flops=flops, eager_ms=t_e)
+        t, p = timed(lambda: linear_bias_gelu(x, w, b))
+        record("ffn", shape, "fwd (inference)", "fastbert", t, p, flops=flops, eager_ms=t_e)
+    # training: the forward also keeps the pre-activation for the backward (as eager torch does)
+    ins = leaves((x, w, b))
+    t_e, p_e = timed(lambda: cublas_gelu(*ins))
+    record("ffn", shape, "fwd (training)", "cuBLAS + F.gelu", t_e, p_e, flops=flops, eager_ms=t_e)
+    t, p = timed(lambda: linear_bias_gelu(*ins))
+    record("ffn", shape, "fwd (training)", "fastbert", t, p, flops=flops, eager_ms=t_e)
+    t_e, p_e = timed(grad_fn(lambda: cublas_gelu(*ins), ins, [dy]))
+    record("ffn", shape, "fwd+bwd", "cuBLAS + F.gelu", t_e, p_e, flops=3 * flops, eager_ms=t_e)
+    comp = maybe_compile(cublas_gelu, compile_)
+    if comp is not None:
+        t, p = timed(grad_fn(lambda: comp(*ins), ins, [dy]))
+        record("ffn", shape, "fwd+bwd", "torch.compile", t, p, flops=3 * flops, eager_ms=t_e)
+    t, p = timed(grad_fn(lambda: linear_bias_gelu(*ins), ins, [dy]))
+    record("ffn", shape, "fwd+bwd", "fastbert", t, p, flops=3 * flops, eager_ms=t_e)
+
+
+# ----------------------------------------------------------------------------- embeddings
+def bench_emb(n, compile_):
+    g = gen(2)
+    m = TOKENS
+    ids = torch.randint(0, VOCAB, (m,), generator=g).to(DEV)
+    pos = torch.arange(m, device=DEV) % 128
+    typ = (torch.arange(m, device=DEV) % 128 >= 64).long()
+    tables = [randn(VOCAB, n, g=g, scale=0.02), randn(512, n, g=g, scale=0.02), randn(2, n, g=g, scale=0.02),
+              randn(n, g=g, scale=0.1, shift=1.0), randn(n, g=g, scale=0.1)]
+    dy = randn(m, n, g=g)
+    shape = f"{m}x{n}"
+    mask = dropout_mask(4, m, n, 0.1, DEV)
+
+    def masked_ref(*t):
+        return bert_embeddings_ref(ids, pos, typ, *t, 1e-12, padding_idx=0) * mask / 0.9
+    results = []
+    for fn, dt in ((lambda *t: bert_embeddings(ids, pos, typ, *t, 1e-12, dropout_p=0.1, seed=4, padding_idx=0), DT),
+                   (masked_ref, DT), (masked_ref, torch.float32)):
+        ins = leaves(tables, dt)
+        out = fn(*ins)
+        results.append((out, torch.autograd.grad(out, ins, dy.to(dt))))
+    for i, name in enumerate(("out", "dword", "dposition", "dtype", "dln_weight", "dln_bias")):
+        get = (lambda r: r[0]) if i == 0 else (lambda r, i=i: r[1][i - 1])
+        check(f"emb {shape} {name}", *(get(r) for r in results))
+
+    nbytes = 4 * m * n * 2  # three gathered rows + the output
+    kw = dict(dropout_p=0.1, padding_idx=0)
+    with torch.no_grad():
+        t_e, p_e = timed(lambda: bert_embeddings_ref(ids, pos, typ, *tables, 1e-12, **kw))
+        record("emb", shape, "fwd", "torch eager", t_e, p_e, nbytes=nbytes, eager_ms=t_e)
+        comp = maybe_compile(bert_embeddings_ref, compile_)
+        if comp is not None:
+            t, p = timed(lambda: comp(ids, pos, typ, *tables, 1e-12, **kw))
+            record("emb", shape, "fwd", "torch.compile", t, p, nbytes=nbytes, eager_ms=t_e)
+        t, p = timed(lambda: bert_embeddings(ids, pos, typ, *tables, 1e-12, seed=1, **kw))
+        record("emb", shape, "fwd", "fastbert", t, p, nbytes=nbytes, eager_ms=t_e)
+    ins = leaves(tables)
+    t_e, p_e = timed(grad_fn(lambda: bert_embeddings_ref(ids, pos, typ, *ins, 1e-12, **kw), ins, [dy]))
+    record("emb", shape, "fwd+bwd", "torch eager", t_e, p_e, eager_ms=t_e)
+    comp = maybe_compile(bert_embeddings_ref, compile_)
+    if comp is not None:
+        t, p = timed(grad_fn(lambda: comp(ids, pos, typ, *ins, 1e-12, **kw), ins, [dy]))
+        record("emb", shape, "fwd+bwd", "torch.compile", t, p, eager_ms=t_e)
+    t, p = timed(grad_fn(lambda: bert_embeddings(ids, pos, typ, *ins, 1e-12, seed=1, **kw), ins, [dy]))
+    record("emb", shape, "fwd+bwd", "fastbert", t, p, eager_ms=t_e)
+
+
+# ----------------------------------------------------------------------------- MLM loss
+def bench_mlm(h, compile_):
+    from transformers import BertConfig as HFConfig
+    from transformers.models.bert.modeling_bert import BertOnlyMLMHead
+    g = gen(3)
+    batch, seq = MLM_BATCH, MLM_SEQ
+    m = batch * seq
+    hidden = randn(m, h, g=g)
+    labels = torch.randint(0, VOCAB, (m,), generator=g)
+    labels[torch.rand(m, generator=g) >= 0.15] = -100
+    labels = labels.to(DEV)
+    torch.manual_seed(0)
+    head = BertOnlyMLMHead(HFConfig(hidden_size=h, vocab_size=VOCAB)).to(DEV, DT)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.02) if p.dim() == 2 else p.uniform_(-0.1, 0.1)
+        head.predictions.transform.LayerNorm.weight.add_(1)
+    t = head.predictions.transform
+    dec = head.predictions.decoder
+    # transformers 5 gives the decoder its own bias; older versions share head.predictions.bias
+    params = [t.dense.weight, t.dense.bias, t.LayerNorm.weight, t.LayerNorm.bias, dec.weight,
+              dec.bias if dec.bias is not None else head.predictions.bias]
+    shape = f"{batch}x{seq} h{h} V{VOCAB} ({int((labels != -100).sum())} masked)"
+
+    def sparse(fn, hid, ps):
+        return fn(hid, labels, ps[0], ps[1], ps[2], ps[3], 1e-12, ps[4], ps[5])
+
+    results = []
+    for fn, dt in ((sparse_mlm_loss, DT), (sparse_mlm_loss_ref, DT), (sparse_mlm_loss_ref, torch.float32)):
+        ins = leaves([hidden] + params, dt)
+        loss, correct, count = sparse(fn, ins[0], ins[1:])
+        results.append((loss, torch.autograd.grad(loss, ins), int(correct), int(count)))
+    check(f"mlm {shape} loss", *(r[0] for r in results))
+    for i, name in enumerate(("dhidden", "ddense_w", "ddense_b", "dln_w", "dln_b", "ddecoder_w", "ddecoder_b")):
+        check(f"mlm h{h} {name}", *(r[1][i] for r in results))
+    ok = results[0][3] == results[2][3] and abs(results[0][2] - results[2][2]) <= 2
+    CHECKS.append(dict(check=f"mlm h{h} counts", ok=ok, fused=results[0][2:], ref=results[2][2:]))
+
+    ins = leaves([hidden] + params)
+
+    def hf_dense(hid, module):
+        scores = module(hid.view(batch, seq, h))  # (B, S, V)
+        return F.cross_entropy(scores.view(-1, VOCAB), labels)
+
+    hf_params = params  # the parameters HF's forward uses
+    t_e, p_e = timed(grad_fn(lambda: hf_dense(ins[0], head), [ins[0]] + hf_params, [None]))
+    record("mlm", shape, "fwd+bwd", "HF dense head", t_e, p_e, eager_ms=t_e)
+    if compile_:
+        comp_head = torch.compile(head, dynamic=False)
+        t, p = timed(grad_fn(lambda: hf_dense(ins[0], comp_head), [ins[0]] + hf_params, [None]))
+        record("mlm", shape, "fwd+bwd", "HF dense head, torch.compile", t, p, eager_ms=t_e)
+    t, p = timed(grad_fn(lambda: sparse(sparse_mlm_loss_ref, ins[0], ins[1:])[0], ins, [None]))
+    record("mlm", shape, "fwd+bwd", "fastbert sparse torch ref", t, p, eager_ms=t_e)
+    t, p = timed(grad_fn(lambda: sparse(sparse_mlm_loss, ins[0], ins[1:])[0], ins, [None]))
+    record("mlm", shape, "fwd+bwd", "fastbert fused", t, p, eager_ms=t_e)
+    ROWS[-1]["memory_vs_hf"] = round(p_e / max(p, 1e-6), 2)
+
+
+# ----------------------------------------------------------------------------- main
+def print_table():
+    cols = ["op", "shape", "mode", "impl", "ms", "TB/s", "TFLOP/s", "speedup_vs_eager", "peak_mib"]
+    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in ROWS)) for c in cols}
+    print("\n" + "  ".join(c.ljust(widths[c]) for c in cols))
+    for r in ROWS:
+        print("  ".join(str(r.get(c, "")).ljust(widths[c]) for c in cols))
+    bad = [c["check"] for c in CHECKS if not c["ok"]]
+    print(f"\ncorrectness: {len(CHECKS) - len(bad)}/{len(CHECKS)} checks passed" + (f"; FAILED: {bad}" if bad else ""))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ops", default="ln,ffn,emb,mlm", help="comma-separated subset of ln,ffn,emb,mlm")
+    ap.add_argument("--hidden", default=",".join(map(str, HIDDENS)), help="hidden sizes to sweep")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile contenders")
+    ap.add_argument("--compile-hidden", default=None,
+                    help="hidden sizes at which to time torch.compile (default: all; compiling costs ~10-30 s each)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes on the CPU under TRITON_INTERPRET=1 (checks the script, times nothing real)")
+    args = ap.parse_args(argv)
+    global DEV, DT, TOKENS, VOCAB, MLM_BATCH, MLM_SEQ
+    if args.smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("--smoke runs the kernels in the Triton interpreter: set TRITON_INTERPRET=1")
+        DEV, DT, TOKENS, VOCAB, MLM_BATCH, MLM_SEQ = "cpu", torch.float16, 64, 300, 4, 16
+        args.no_compile = True
+        if args.hidden == ",".join(map(str, HIDDENS)):
+            args.hidden = "48"
+    elif not torch.cuda.is_available():
+        raise SystemExit("bench_ops.py needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1 on the CPU)")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (Triton interpreter)"
+    print(f"device: {name}  torch {torch.__version__}", flush=True)
+    import triton
+    print(f"triton {triton.__version__}", flush=True)
+    benches = {"ln": bench_ln, "ffn": bench_ffn, "emb": bench_emb, "mlm": bench_mlm}
+    for op in args.ops.split(","):
+        for h in map(int, args.hidden.split(",")):
+            compile_here = not args.no_compile and (
+                args.compile_hidden is None or str(h) in args.compile_hidden.split(","))
+            benches[op](h, compile_here)
+            torch.cuda.empty_cache()
+    print_table()
+    out = os.environ.get("OUT")
+    if out:
+        meta = dict(device=name, torch=torch.__version__, triton=triton.__version__)
+        Path(out, "bench_ops.json").write_text(json.dumps(dict(meta=meta, checks=CHECKS, rows=ROWS), indent=1))
+    return 0 if all(c["ok"] for c in CHECKS) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
