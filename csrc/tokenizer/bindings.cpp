@@ -119,11 +119,11 @@ py::tuple encode_one(const Tokenizer& tok, const py::handle& text) {
   const py::ssize_t n = sink.size();
   py::array_t<int32_t> ids(n);
   py::array_t<int32_t> offsets({n, static_cast<py::ssize_t>(2)});
-  if (n) std::memcpy(ids.mutable_data(), sink.ids.data(), n * sizeof(int32_t));
-  int32_t* off = offsets.mutable_data();
+  int32_t *p_ids = ids.mutable_data(), *off = offsets.mutable_data();
   for (py::ssize_t k = 0; k < n; ++k) {
-    off[2 * k] = sink.starts[k];
-    off[2 * k + 1] = sink.ends[k];
+    p_ids[k] = sink.tokens[k].id;
+    off[2 * k] = sink.tokens[k].start;
+    off[2 * k + 1] = sink.tokens[k].end;
   }
   return py::make_tuple(ids, offsets);
 }
@@ -253,8 +253,9 @@ py::tuple encode_flat(const Tokenizer& tok, const py::handle& texts_in, int num_
   {
     py::gil_scoped_release release;
     ThreadPool::instance().run(rows, threads, [&](int64_t r) {
-      const TokenSink& sink = tokens.sink(r);
-      std::memcpy(p_ids + p_splits[r], sink.ids.data() + tokens.seg_begin[r], tokens.seg_count[r] * sizeof(int32_t));
+      const Token* t = tokens.sink(r).tokens.data() + tokens.seg_begin[r];
+      int32_t* dst = p_ids + p_splits[r];
+      for (int64_t k = 0; k < tokens.seg_count[r]; ++k) dst[k] = t[k].id;
     });
   }
   return py::make_tuple(ids, splits);
@@ -275,15 +276,11 @@ py::dict tables(const Tokenizer& tok) {
   d["ccc_lo"] = copy_array(n.ccc_lo);
   d["ccc_hi"] = copy_array(n.ccc_hi);
   d["ccc_val"] = copy_array(n.ccc_val);
-  static_assert(sizeof(TrieSlot) == 8 && sizeof(TrieFail) == 12, "packed trie records");
-  py::array_t<int32_t> slots({static_cast<py::ssize_t>(t.slots.size()), py::ssize_t(2)});
-  std::memcpy(slots.mutable_data(), t.slots.data(), t.slots.size() * sizeof(TrieSlot));
-  py::array_t<int32_t> fails({static_cast<py::ssize_t>(t.fails.size()), py::ssize_t(3)});
-  std::memcpy(fails.mutable_data(), t.fails.data(), t.fails.size() * sizeof(TrieFail));
-  d["trie_slots"] = slots;
-  d["trie_fails"] = fails;
+  static_assert(sizeof(TrieNode) == 16, "packed trie nodes");
+  py::array_t<int32_t> nodes({static_cast<py::ssize_t>(t.nodes.size()), py::ssize_t(4)});
+  std::memcpy(nodes.mutable_data(), t.nodes.data(), t.nodes.size() * sizeof(TrieNode));
+  d["trie_nodes"] = nodes;
   d["trie_pops"] = copy_array(t.pops);
-  d["piece_len"] = copy_array(t.piece_len);
   d["root"] = t.root;
   d["suffix_root"] = t.suffix_root;
   return d;

@@ -214,9 +214,7 @@ BatchTokens Tokenizer::encode_batch(const std::vector<TextRef>& segments, int th
     TokenSink& sink = bt.sinks[c];
     int64_t chars = 0;
     for (int64_t s = bounds[c]; s < bounds[c + 1]; ++s) chars += segments[s].length;
-    sink.ids.reserve(chars / 4 + 16);
-    sink.starts.reserve(chars / 4 + 16);
-    sink.ends.reserve(chars / 4 + 16);
+    sink.tokens.reserve(chars / 4 + 16);
     for (int64_t s = bounds[c]; s < bounds[c + 1]; ++s) {
       const int64_t begin = sink.size();
       const TextRef& t = segments[s];
@@ -323,11 +321,12 @@ void Tokenizer::write_row(const BatchTokens& tokens, int64_t a, int64_t b, int64
     const TokenSink& sink = tokens.sink(seg);
     const int64_t begin = tokens.seg_begin[seg];
     for (int64_t k = 0; k < len; ++k, ++p) {
-      ids[p] = sink.ids[begin + k];
+      const Token& t = sink.tokens[begin + k];
+      ids[p] = t.id;
       types[p] = type;
       if (offsets) {
-        offsets[2 * p] = sink.starts[begin + k];
-        offsets[2 * p + 1] = sink.ends[begin + k];
+        offsets[2 * p] = t.start;
+        offsets[2 * p + 1] = t.end;
       }
     }
   };

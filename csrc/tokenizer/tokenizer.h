@@ -24,19 +24,16 @@ struct TextRef {
 };
 
 // Tokens of one or more texts, without special tokens: id and [start, end) code point offsets.
+struct Token {
+  int32_t id, start, end;
+};
 struct TokenSink {
-  std::vector<int32_t> ids, starts, ends;
-  int64_t size() const { return static_cast<int64_t>(ids.size()); }
+  std::vector<Token> tokens;
+  int64_t size() const { return static_cast<int64_t>(tokens.size()); }
   void push(int32_t id, int64_t start, int64_t end) {
-    ids.push_back(id);
-    starts.push_back(static_cast<int32_t>(start));
-    ends.push_back(static_cast<int32_t>(end));
+    tokens.push_back(Token{id, static_cast<int32_t>(start), static_cast<int32_t>(end)});
   }
-  void truncate(int64_t n) {
-    ids.resize(n);
-    starts.resize(n);
-    ends.resize(n);
-  }
+  void truncate(int64_t n) { tokens.resize(n); }
 };
 
 // A text that cannot be encoded (a lone surrogate). `text` is filled in by batch callers.

@@ -24,15 +24,18 @@ struct Placed {
 
 WordPieceTrie::WordPieceTrie(const std::vector<std::string>& tokens, const std::string& prefix) {
   // Keys: word-initial tokens as they are, "##x" as 0xFF + "x". A repeated token keeps its last id.
+  if (tokens.size() > kPopIdMask) throw std::invalid_argument("vocabularies are limited to 2**24 tokens");
   std::unordered_map<std::string, int32_t> ids;
   ids.reserve(tokens.size() * 2);
-  piece_len.assign(tokens.size(), 0);
+  std::vector<uint32_t> piece_len(tokens.size(), 0);
   for (size_t i = 0; i < tokens.size(); ++i) {
     const std::string& tok = tokens[i];
     const bool suffix = !prefix.empty() && tok.size() > prefix.size() && tok.compare(0, prefix.size(), prefix) == 0;
     if (tok.empty() || tok == prefix) continue;
     std::string key = suffix ? std::string(1, static_cast<char>(kSuffixEdge)) + tok.substr(prefix.size()) : tok;
-    piece_len[i] = static_cast<int32_t>(suffix ? tok.size() - prefix.size() : tok.size());
+    piece_len[i] = static_cast<uint32_t>(suffix ? tok.size() - prefix.size() : tok.size());
+    if (piece_len[i] > 255)
+      throw std::invalid_argument("vocabulary token longer than 255 bytes (without '##'): " + tok.substr(0, 40) + "...");
     ids[std::move(key)] = static_cast<int32_t>(i);
   }
   std::vector<std::pair<std::string, int32_t>> keys(ids.begin(), ids.end());
@@ -40,7 +43,10 @@ WordPieceTrie::WordPieceTrie(const std::vector<std::string>& tokens, const std::
 
   // Breadth-first double-array placement. Free slots form a doubly linked list, so the search for
   // a base visits free slots only (without it, placement is quadratic in the vocabulary size).
-  slots.assign(1 << 12, TrieSlot{0, kFree});
+  struct Slot {
+    int32_t base, check;
+  };
+  std::vector<Slot> slots(1 << 12, Slot{0, kFree});
   std::vector<int32_t> terminal(slots.size(), -1), next_free(slots.size(), -1), prev_free(slots.size(), -1);
   int32_t head = -1, tail = -1;
   auto link = [&](size_t from, size_t to) {
@@ -64,7 +70,7 @@ WordPieceTrie::WordPieceTrie(const std::vector<std::string>& tokens, const std::
     const size_t old = slots.size();
     size_t n = old;
     while (n < need) n *= 2;
-    slots.resize(n, TrieSlot{0, kFree});
+    slots.resize(n, Slot{0, kFree});
     terminal.resize(n, -1);
     next_free.resize(n, -1);
     prev_free.resize(n, -1);
@@ -132,25 +138,34 @@ WordPieceTrie::WordPieceTrie(const std::vector<std::string>& tokens, const std::
     const int32_t t = slots[node].base + c;
     return slots[t].check == node ? t : -1;
   };
-  fails.assign(slots.size(), TrieFail{-1, 0, 0});
-  std::vector<int32_t> acc;
+  nodes.resize(slots.size());
+  for (size_t i = 0; i < slots.size(); ++i) nodes[i] = TrieNode{slots[i].base, slots[i].check, -1, 0};
+  auto pack = [](size_t offset, size_t count) {
+    if (offset >= (1u << 24) || count > 255)
+      throw std::invalid_argument("vocabulary too large for the WordPiece trie (failure pops overflow)");
+    return static_cast<uint32_t>(offset << 8 | count);
+  };
+  std::vector<uint32_t> acc;
   for (const Placed& v : order) {
     if (v.node == suffix_root) continue;
     if (terminal[v.node] >= 0) {  // a token: emit it, go on with "##" pieces
-      fails[v.node] = {suffix_root, static_cast<uint32_t>(pops.size()), 1};
-      pops.push_back(terminal[v.node]);
+      nodes[v.node].fail = suffix_root;
+      nodes[v.node].pops = pack(pops.size(), 1);
+      const int32_t id = terminal[v.node];
+      pops.push_back(static_cast<uint32_t>(id) | piece_len[id] << 24);
       continue;
     }
-    const TrieFail& up = fails[v.parent];
+    const TrieNode& up = nodes[v.parent];
     int32_t z = up.fail;
-    acc.assign(pops.begin() + up.pops_off, pops.begin() + up.pops_off + up.pops_len);
+    acc.assign(pops.begin() + (up.pops >> 8), pops.begin() + (up.pops >> 8) + (up.pops & 0xFF));
     while (z >= 0 && child(z, v.byte) < 0) {
-      const TrieFail& fz = fails[z];
-      acc.insert(acc.end(), pops.begin() + fz.pops_off, pops.begin() + fz.pops_off + fz.pops_len);
+      const TrieNode& fz = nodes[z];
+      acc.insert(acc.end(), pops.begin() + (fz.pops >> 8), pops.begin() + (fz.pops >> 8) + (fz.pops & 0xFF));
       z = fz.fail;
     }
     if (z < 0) continue;  // no way on: a word stuck here is [UNK]
-    fails[v.node] = {child(z, v.byte), static_cast<uint32_t>(pops.size()), static_cast<uint32_t>(acc.size())};
+    nodes[v.node].fail = child(z, v.byte);
+    nodes[v.node].pops = pack(pops.size(), acc.size());
     pops.insert(pops.end(), acc.begin(), acc.end());
   }
   if (pops.empty()) pops.push_back(0);  // keep data() valid for device copies

@@ -16,14 +16,10 @@ class WordPieceTrie {
   // with `prefix` continue a word. Tokens that can never match (empty, the bare prefix) are skipped.
   WordPieceTrie(const std::vector<std::string>& tokens, const std::string& prefix = "##");
 
-  TrieView view() const {
-    return {slots.data(), fails.data(), pops.data(), piece_len.data(), root, suffix_root};
-  }
+  TrieView view() const { return {nodes.data(), pops.data(), root, suffix_root}; }
 
-  std::vector<TrieSlot> slots;
-  std::vector<TrieFail> fails;
-  std::vector<int32_t> pops;
-  std::vector<int32_t> piece_len;
+  std::vector<TrieNode> nodes;  // double array, indexed by slot
+  std::vector<uint32_t> pops;   // failure pops (wordpiece_core.h)
   int32_t root = 0;
   int32_t suffix_root = -1;
   int64_t num_nodes = 0;

@@ -192,22 +192,20 @@ FB_HD int reorder_word(const NormView& norm, const NfdView& nfd, CharAt char_at,
 // Every node has a failure link and "failure pops": the tokens that greedy longest-match-first
 // emits when the next byte has no edge. Each byte is consumed once, plus one pop per token.
 // ---------------------------------------------------------------------------------------------
-struct TrieSlot {
+// One node (double-array slot), 16 bytes: the edge check, the next edges and the failure data
+// share a cache line.
+struct TrieNode {
   int32_t base;   // children of this node live at base + byte
   int32_t check;  // parent node of this slot, -1 if free
+  int32_t fail;   // failure link, -1: no way on (the word is [UNK])
+  uint32_t pops;  // failure pops: count in bits 0-7, offset into TrieView::pops in bits 8-31
 };
-
-struct TrieFail {
-  int32_t fail;       // failure link, -1: no way on (the word is [UNK])
-  uint32_t pops_off;  // failure pops: pops[pops_off, pops_off + pops_len)
-  uint32_t pops_len;
-};
+// Pop entries: token id in bits 0-23, bytes it covers (without "##") in bits 24-31.
+constexpr uint32_t kPopIdMask = (1u << 24) - 1;
 
 struct TrieView {
-  const TrieSlot* slots;
-  const TrieFail* fails;
-  const int32_t* pops;       // token ids
-  const int32_t* piece_len;  // token id -> bytes it covers (without "##")
+  const TrieNode* nodes;
+  const uint32_t* pops;
   int32_t root;
   int32_t suffix_root;
 };
@@ -220,31 +218,32 @@ template <class Emit>
 FB_HD int match_word(const TrieView& t, const uint8_t* w, int n, Emit&& emit) {
   int32_t u = t.root;
   int count = 0, pos = 0;
-  auto pop = [&](int32_t node) {
-    const TrieFail f = t.fails[node];
-    for (uint32_t k = 0; k < f.pops_len; ++k) {
-      int32_t id = t.pops[f.pops_off + k];
-      int len = t.piece_len[id];
-      emit(count++, id, pos, pos + len);
+  auto pop = [&](const TrieNode& node) {
+    const uint32_t* p = t.pops + (node.pops >> 8);
+    for (uint32_t k = 0, m = node.pops & 0xFF; k < m; ++k) {
+      const int len = static_cast<int>(p[k] >> 24);
+      emit(count++, static_cast<int32_t>(p[k] & kPopIdMask), pos, pos + len);
       pos += len;
     }
-    return f.fail;
+    return node.fail;
   };
   for (int i = 0; i < n; ++i) {
     const int32_t c = w[i];
     for (;;) {
-      const int32_t next = t.slots[u].base + c;
-      if (t.slots[next].check == u) {
+      const int32_t next = t.nodes[u].base + c;
+      if (t.nodes[next].check == u) {
         u = next;
         break;
       }
-      if (t.fails[u].fail < 0) return -1;
-      u = pop(u);
+      const TrieNode& node = t.nodes[u];
+      if (node.fail < 0) return -1;
+      u = pop(node);
     }
   }
   while (u != t.suffix_root) {
-    if (t.fails[u].fail < 0) return -1;
-    u = pop(u);
+    const TrieNode& node = t.nodes[u];
+    if (node.fail < 0) return -1;
+    u = pop(node);
   }
   return count;
 }
