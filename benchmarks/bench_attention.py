@@ -162,11 +162,28 @@ def check(case) -> dict:
 # ---------------------------------------------------------------------------------- timing
 def time_ms(fn) -> float:
     import triton.testing
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
-def host_us(fn, n=200) -> float:
-    """Wall-clock microseconds per call while the GPU queue is fed: the launch overhead floor."""
+def graph_ms(fn) -> float:
+    """GPU time of ``fn`` replayed from a CUDA graph: no Python / launch overhead on either side."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm up outside the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = time_ms(graph.replay)
+    del graph
+    return ms
+
+
+def host_us(fn, n=100) -> float:
+    """Wall-clock microseconds per eager call, GPU queue fed: when it exceeds the GPU time, the eager
+    timing measures the host (Python, autograd, launches), not the kernels."""
     fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -185,34 +202,69 @@ def bench_case(case) -> list[dict]:
     rows = []
     for name, (fwd, step) in providers(case).items():
         for pass_, fn in (("fwd", fwd), ("fwd+bwd", step)):
-            ms = time_ms(fn)
-            rows.append(dict(shape=[case.batch, case.heads, case.seq, case.head_dim], dist=case.dist,
-                             fill=round(case.fill, 3), provider=name, pass_=pass_, ms=ms,
-                             tflops=case.flops(pass_) / ms / 1e9, host_us=host_us(fn)))
-    for row in rows:  # speed-up over SDPA (with its mask where there is padding), same pass
+            if name.endswith("p=0.1") and pass_ == "fwd":
+                continue
+            row = dict(shape=[case.batch, case.heads, case.seq, case.head_dim], dist=case.dist,
+                       fill=round(case.fill, 3), provider=name, pass_=pass_, graph_ms=graph_ms(fn),
+                       eager_ms=time_ms(fn), host_us=host_us(fn))
+            row["tflops"] = case.flops(pass_) / row["graph_ms"] / 1e9
+            rows.append(row)
+    for row in rows:  # speed-up over SDPA (with its mask where there is padding), same pass and mode
         base = next(r for r in rows if r["provider"].startswith("sdpa") and r["pass_"] == row["pass_"])
-        row["speedup_vs_sdpa"] = base["ms"] / row["ms"]
+        row["speedup_graph"] = base["graph_ms"] / row["graph_ms"]
+        row["speedup_eager"] = base["eager_ms"] / row["eager_ms"]
     return rows
 
 
 # ---------------------------------------------------------------------------------- launch-config sweep
-SWEEP = {
-    "fwd": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3),
-            (64, 32, 4, 2), (128, 128, 8, 2), (64, 128, 4, 2), (32, 32, 4, 3)],
-    "dq": [(64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 32, 4, 3), (64, 32, 4, 4), (128, 32, 8, 3),
-           (64, 16, 4, 3)],
-    "dkdv": [(64, 64, 4, 2), (32, 128, 4, 2), (64, 128, 8, 2), (32, 128, 8, 3), (16, 64, 4, 3), (16, 128, 4, 3),
-             (32, 128, 4, 3), (32, 64, 4, 3)],
+SWEEP_SHORT = {  # sequences <= 128
+    "fwd": [(64, 32, 4, 3), (64, 64, 4, 3), (32, 32, 4, 3), (64, 32, 4, 2)],
+    "bwd128": [("onepass", (32, 8, 2)), ("onepass", (32, 4, 2)), ("onepass", (64, 8, 2)), ("onepass", (16, 4, 2)),
+               ("onepass", (32, 8, 3)), ("tile", 8)],
+    "bwd64": [("onepass", (32, 4, 2)), ("onepass", (64, 4, 2)), ("onepass", (16, 4, 2)), ("onepass", (32, 4, 3)),
+              ("tile", 4)],
+}
+SWEEP_LONG = {  # longer sequences: the two-kernel backward
+    "fwd": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (128, 128, 8, 3), (64, 128, 4, 3)],
+    "dq": [(64, 32, 4, 3), (64, 32, 4, 4), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 5)],
+    "dkdv": [(32, 128, 4, 3), (32, 128, 4, 2), (32, 128, 4, 4), (16, 128, 4, 3), (32, 128, 8, 3), (32, 64, 4, 3)],
 }
 
 
-def sweep(cases) -> dict:
-    """Time each kernel under each candidate (BLOCK_M, BLOCK_N, warps, stages), the others at default.
-    Backward candidates are timed as the whole backward (the kernels' times add up)."""
+def _apply(kind, bucket, choice):
+    """Set one launch choice in the attention module (the sweep keeps the best one applied)."""
+    if kind in ("fwd", "dq", "dkdv"):
+        attn._GPU_CONFIGS[(kind, 64, bucket)] = choice
+        return
+    block = 128 if kind == "bwd128" else 64
+    path, cfg = choice
+    attn._SHORT_BWD_KERNEL[block] = path
+    if path == "onepass":
+        attn._ONEPASS_CONFIGS[block] = cfg
+    else:
+        attn._SHORT_BWD_WARPS[block] = cfg
+
+
+def _state():
+    return tuple(dict(x) for x in (attn._GPU_CONFIGS, attn._ONEPASS_CONFIGS, attn._SHORT_BWD_WARPS,
+                                   attn._SHORT_BWD_KERNEL))
+
+
+def _restore(state):
+    attn._GPU_CONFIGS, attn._ONEPASS_CONFIGS, attn._SHORT_BWD_WARPS, attn._SHORT_BWD_KERNEL = (dict(x) for x in state)
+
+
+def sweep(which: str) -> dict:
+    """Time launch candidates kernel by kernel (GPU time, CUDA graphs) and keep the fastest applied.
+    Backward candidates are timed as the whole backward."""
+    plans = []
+    if which in ("short", "all"):
+        plans += [(make_case((64, 16, 128, 64), "uniform"), "short", {k: SWEEP_SHORT[k] for k in ("fwd", "bwd128")}),
+                  (make_case((64, 16, 128, 64), "wiki"), "short", {"bwd64": SWEEP_SHORT["bwd64"]})]
+    if which == "all":
+        plans.append((make_case((16, 16, 512, 64), "full"), "long", SWEEP_LONG))
     results = {}
-    default_cfg, default_warps = dict(attn._GPU_CONFIGS), dict(attn._SHORT_BWD_WARPS)
-    for case in cases:
-        bucket = "short" if case.seq <= 128 else "long"
+    for case, bucket, plan in plans:
         q, k, v = case.qkv.detach().unbind(1)
         args = (case.cu_seqlens, max(case.lengths), 0.0, 1 / math.sqrt(case.head_dim), 0)
         out, lse = attn.varlen_attention_forward(q, k, v, *args)
@@ -220,50 +272,42 @@ def sweep(cases) -> dict:
         bwd = lambda: attn._backward_packed(case.dout, q, k, v, out, lse, *args)  # noqa: E731
         key = case_name(case)
         results[key] = {}
-
-        def trial(kind, label, fn, setup):
-            setup()
-            try:
-                return time_ms(fn), label
-            except Exception as e:  # noqa: BLE001 - out of shared memory etc.: report, go on
-                print(f"  sweep {kind} {label}: {type(e).__name__}: {str(e)[:80]}")
-                return None
-            finally:
-                attn._GPU_CONFIGS.update(default_cfg)
-                attn._SHORT_BWD_WARPS.update(default_warps)
-                attn._SHORT_BWD_MAX = 128
-
-        plan = {"fwd": [(str(c), fwd, lambda c=c: attn._GPU_CONFIGS.update({("fwd", 64, bucket): c}))
-                        for c in SWEEP["fwd"]]}
-        if bucket == "short":
-            plan["bwd"] = [(f"fused-short warps128={w}", bwd, lambda w=w: attn._SHORT_BWD_WARPS.update({128: w}))
-                           for w in (4, 8)]
-            plan["bwd"].append(("two-kernel", bwd, lambda: setattr(attn, "_SHORT_BWD_MAX", 0)))
-        else:
-            for kind in ("dq", "dkdv"):
-                plan[kind] = [(str(c), bwd, lambda c=c, kind=kind: attn._GPU_CONFIGS.update({(kind, 64, "long"): c}))
-                              for c in SWEEP[kind]]
-        for kind, trials in plan.items():
-            timings = sorted(t for t in (trial(kind, *x) for x in trials) if t is not None)
-            results[key][kind] = [{"config": c, "ms": t} for t, c in timings]
-            print(f"  sweep {key} {kind}: " + "  ".join(f"{c}={t * 1e3:.1f}us" for t, c in timings[:4]), flush=True)
+        for kind, candidates in plan.items():
+            timings = []
+            for choice in candidates:
+                state = _state()
+                _apply(kind, bucket, choice)
+                try:
+                    timings.append((graph_ms(fwd if kind == "fwd" else bwd), str(choice), choice))
+                except Exception as e:  # noqa: BLE001 - out of shared memory etc.: report, go on
+                    print(f"  sweep {kind} {choice}: {type(e).__name__}: {str(e)[:80]}")
+                _restore(state)
+            timings.sort(key=lambda t: t[0])
+            _apply(kind, bucket, timings[0][2])
+            results[key][kind] = [{"choice": c, "ms": t} for t, c, _ in timings]
+            print(f"  sweep {key} {kind}: " + "  ".join(f"{c}={t * 1e3:.1f}us" for t, c, _ in timings[:4]),
+                  flush=True)
     return results
 
 
 # ---------------------------------------------------------------------------------- script
 def print_table(rows):
-    print(f"\n{'shape (B,H,S,D)':<18}{'lengths':<9}{'fill':>5}  {'provider':<15}{'pass':<8}"
-          f"{'ms':>8}{'TFLOP/s':>9}{'host us':>9}{'vs SDPA':>9}")
+    print("\ngraph = CUDA-graph replay (GPU time); eager = plain calls (includes Python/launch overhead)")
+    print(f"{'shape (B,H,S,D)':<18}{'lengths':<9}{'fill':>5}  {'provider':<15}{'pass':<8}{'graph ms':>9}"
+          f"{'TFLOP/s':>8}{'vs SDPA':>8}  {'eager ms':>9}{'vs SDPA':>8}{'host us':>8}")
     for r in rows:
         print(f"{str(tuple(r['shape'])):<18}{r['dist']:<9}{r['fill']:>5.2f}  {r['provider']:<15}{r['pass_']:<8}"
-              f"{r['ms']:>8.4f}{r['tflops']:>9.1f}{r['host_us']:>9.1f}{r['speedup_vs_sdpa']:>8.2f}x")
+              f"{r['graph_ms']:>9.4f}{r['tflops']:>8.1f}{r['speedup_graph']:>7.2f}x  {r['eager_ms']:>9.4f}"
+              f"{r['speedup_eager']:>7.2f}x{r['host_us']:>8.0f}")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dists", default=",".join(DISTS), help="comma list of: " + ", ".join(DISTS))
     ap.add_argument("--shapes", default=None, help="e.g. 64x16x128x64,16x16x512x64 (default: the four BERT shapes)")
-    ap.add_argument("--sweep", action="store_true", help="also time the kernels' launch-config candidates")
+    ap.add_argument("--sweep", choices=("none", "short", "all"), default="none",
+                    help="first time launch-config candidates (short: sequences <= 128; all: also 512) "
+                         "and run the table with the fastest")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for bench_attention.json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -272,13 +316,15 @@ def main(argv=None) -> int:
     shapes = SHAPES if args.shapes is None else [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     dists = args.dists.split(",")
     import triton
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                dtype="bfloat16", configs={"/".join(map(str, k)): v for k, v in attn._GPU_CONFIGS.items()},
-                short_bwd_warps=attn._SHORT_BWD_WARPS)
-    print(json.dumps(meta))
-    result = dict(meta=meta, correctness={}, rows=[])
-    if args.sweep:
-        result["sweep"] = sweep([make_case((64, 16, 128, 64), "uniform"), make_case((16, 16, 512, 64), "full")])
+    result = dict(correctness={}, rows=[])
+    if args.sweep != "none":
+        result["sweep"] = sweep(args.sweep)
+    result["meta"] = dict(
+        device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, dtype="bfloat16",
+        configs={"/".join(map(str, k)): v for k, v in attn._GPU_CONFIGS.items()},
+        short_bwd=dict(kernel=attn._SHORT_BWD_KERNEL, max=attn._SHORT_BWD_MAX, onepass=attn._ONEPASS_CONFIGS,
+                       tile_warps=attn._SHORT_BWD_WARPS))
+    print(json.dumps(result["meta"]), flush=True)
     for shape in shapes:
         for dist in dists:
             case = make_case(shape, dist)

@@ -60,14 +60,16 @@ def assert_close_to_reference(lengths, heads, head_dim, dtype, device=DEVICE, at
 
 
 # ---------------------------------------------------------------------------------- CPU (interpreter)
-@pytest.fixture(params=["fused-short", "two-kernel"])
+@pytest.fixture(params=["onepass", "tile", "two-kernel"])
 def backward_path(request, monkeypatch):
     """Sequences up to 128 tokens take a one-program-per-(sequence, head) backward; longer ones the
-    dQ + dK/dV kernels. Run short batches through both."""
+    dQ + dK/dV kernels. Run short batches through every path."""
     import fastbert.ops.attention as attn
 
     if request.param == "two-kernel":
         monkeypatch.setattr(attn, "_SHORT_BWD_MAX", 0)
+    else:
+        monkeypatch.setattr(attn, "_SHORT_BWD_KERNEL", dict.fromkeys(attn._SHORT_BWD_KERNEL, request.param))
     return request.param
 
 
