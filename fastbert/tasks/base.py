@@ -55,6 +55,15 @@ class FinetuneTask:
         return {"train_features": len(self.train_features)}
 
 
+def as_list(x) -> list:
+    """A tokenizer output row as a list of ints (the C++ tokenizer's batch API returns NumPy arrays)."""
+    return x.tolist() if hasattr(x, "tolist") else list(x)
+
+
+def batch_rows(enc: dict, key: str) -> list[list[int]]:
+    return [as_list(r) for r in enc[key]]
+
+
 def model_inputs(row: dict) -> dict:
     """The fields of a feature row that the model takes (drops labels and bookkeeping)."""
     return {k: row[k] for k in ("input_ids", "token_type_ids", "attention_mask") if k in row}

@@ -90,8 +90,10 @@ def run_finetune(task_name: str, data, model_dir, output: Optional[str] = None, 
                  max_seq_len: int = 128, max_train_samples: Optional[int] = None,
                  max_eval_samples: Optional[int] = None, kernels: Optional[str] = None,
                  eval_batch_size: Optional[int] = None, save_model: bool = True, task_options: Optional[dict] = None,
-                 tokenizer=None) -> dict:
-    """Fine-tune and evaluate; returns the metrics.json content (also written under ``output``)."""
+                 tokenizer=None, model_overrides: Optional[dict] = None) -> dict:
+    """Fine-tune and evaluate; returns the metrics.json content (also written under ``output``).
+
+    ``model_overrides``: extra BertConfig fields for the model (e.g. dropout probabilities)."""
     from fastbert.tokenization import load_tokenizer
 
     args = args or TrainArgs()
@@ -111,7 +113,7 @@ def run_finetune(task_name: str, data, model_dir, output: Optional[str] = None, 
     check_label_count(config, task.model_cls, kwargs.get("num_labels", 2), task.name)
 
     torch.manual_seed(args.seed)  # the new head's initialization
-    model = task.model_cls.from_pretrained(model_dir, kernels=kernels, **kwargs)
+    model = task.model_cls.from_pretrained(model_dir, kernels=kernels, **kwargs, **(model_overrides or {}))
     groups = param_groups(model, args.lr, args.head_lr, args.weight_decay, args.freeze_encoder)
     engine = build_finetune_engine(model, groups, args)
     is_main = engine.dist.is_main

@@ -10,7 +10,7 @@ import numpy as np
 
 from fastbert.data.glue import Example, GlueTask, get_task, read_examples, split_path
 from fastbert.heads import BertForSequenceClassification
-from fastbert.tasks.base import FinetuneTask, predict
+from fastbert.tasks.base import FinetuneTask, batch_rows, predict
 from fastbert.tasks.metrics import glue_metrics
 
 
@@ -18,10 +18,10 @@ def encode_examples(examples: list[Example], tokenizer, max_seq_len: int, regres
     a = [e.text_a for e in examples]
     pairs = [e.text_b for e in examples] if examples and examples[0].text_b is not None else None
     enc = tokenizer.encode_batch(a, pairs, max_length=max_seq_len, truncation=True)
+    ids, types, mask = (batch_rows(enc, k) for k in ("input_ids", "token_type_ids", "attention_mask"))
     rows = []
     for i, e in enumerate(examples):
-        row = {"input_ids": enc["input_ids"][i], "token_type_ids": enc["token_type_ids"][i],
-               "attention_mask": enc["attention_mask"][i]}
+        row = {"input_ids": ids[i], "token_type_ids": types[i], "attention_mask": mask[i]}
         if e.label is not None:
             row["labels"] = float(e.label) if regression else int(e.label)
         rows.append(row)

@@ -10,7 +10,7 @@ import numpy as np
 from fastbert.data.glue import DataError
 from fastbert.data.multiple_choice import ChoiceExample, find_split, read_jsonl
 from fastbert.heads import BertForMultipleChoice
-from fastbert.tasks.base import FinetuneTask, predict
+from fastbert.tasks.base import FinetuneTask, batch_rows, predict
 from fastbert.tasks.metrics import accuracy
 
 
@@ -19,8 +19,7 @@ def encode_choices(examples: list[ChoiceExample], tokenizer, max_seq_len: int) -
     for ex in examples:
         enc = tokenizer.encode_batch([ex.first] * len(ex.seconds), ex.seconds, max_length=max_seq_len,
                                      truncation=True)
-        row = {"input_ids": enc["input_ids"], "token_type_ids": enc["token_type_ids"],
-               "attention_mask": enc["attention_mask"]}  # each (choices, seq)
+        row = {k: batch_rows(enc, k) for k in ("input_ids", "token_type_ids", "attention_mask")}  # (choices, seq)
         if ex.label is not None:
             row["labels"] = ex.label
         rows.append(row)

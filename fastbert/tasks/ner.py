@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from fastbert.data.conll import Sentence, find_split, read_conll
 from fastbert.heads import BertForTokenClassification
-from fastbert.tasks.base import FinetuneTask, predict
+from fastbert.tasks.base import FinetuneTask, as_list, predict
 from fastbert.tasks.ner_metrics import detect_scheme, entity_scores, iob1_to_iob2
 
 
@@ -33,8 +33,8 @@ def word_token_map(words: list[str], offsets: list[tuple[int, int]]) -> list[int
 
 def encode_sentence(sentence: Sentence, tokenizer, max_seq_len: int, label_ids: dict[str, int] | None) -> dict:
     enc = tokenizer.encode(" ".join(sentence.words), add_special_tokens=False, truncation=False, return_offsets=True)
-    ids = enc["input_ids"][: max_seq_len - 2]
-    word_of = word_token_map(sentence.words, enc["offsets"])[: len(ids)]
+    ids = as_list(enc["input_ids"])[: max_seq_len - 2]
+    word_of = word_token_map(sentence.words, [(int(s), int(e)) for s, e in enc["offsets"]])[: len(ids)]
     first_token = {}  # word -> position in the final sequence (after [CLS])
     for t, w in enumerate(word_of):
         first_token.setdefault(w, t + 1)

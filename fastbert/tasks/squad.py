@@ -23,7 +23,7 @@ import numpy as np
 from fastbert.data.glue import DataError
 from fastbert.data.squad import SquadExample, find_split, read_squad
 from fastbert.heads import BertForQuestionAnswering
-from fastbert.tasks.base import FinetuneTask, predict
+from fastbert.tasks.base import FinetuneTask, as_list, predict
 from fastbert.tasks.squad_metrics import squad_scores
 
 
@@ -54,10 +54,11 @@ def make_features(examples: list[SquadExample], tokenizer, max_seq_len: int, doc
     features = []
     contexts: dict[str, tuple[list[int], list[tuple[int, int]]]] = {}
     for ex_index, ex in enumerate(examples):
-        q_ids = tokenizer.encode(ex.question, add_special_tokens=False, truncation=False)["input_ids"][:max_query_len]
+        q_ids = as_list(tokenizer.encode(ex.question, add_special_tokens=False, truncation=False)["input_ids"])
+        q_ids = q_ids[:max_query_len]
         if ex.context not in contexts:  # questions share contexts; tokenize each once
             enc = tokenizer.encode(ex.context, add_special_tokens=False, truncation=False, return_offsets=True)
-            contexts[ex.context] = (enc["input_ids"], [tuple(o) for o in enc["offsets"]])
+            contexts[ex.context] = (as_list(enc["input_ids"]), [(int(o[0]), int(o[1])) for o in enc["offsets"]])
         c_ids, c_off = contexts[ex.context]
         window = max_seq_len - len(q_ids) - 3
         if window <= doc_stride:
