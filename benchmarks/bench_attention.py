@@ -2,7 +2,15 @@
 
 For every (B, H, S, D) and length distribution, FIRST checks correctness on the card (fastbert's
 output and dq/dk/dv against an fp32 reference, within 2x SDPA's own bf16 error + atol), then times
-forward and forward+backward with CUDA events (``triton.testing.do_bench``, median):
+forward and forward+backward with CUDA events (``triton.testing.do_bench``, median), two ways:
+
+  graph    the call replayed from a CUDA graph: GPU time, no host overhead on either side (the
+           kernels' speed, and what a training step sees when the host runs ahead of the GPU)
+  eager    plain calls: adds Python, autograd and launch overhead; ``host us`` is the host's time
+           per call. fastbert's Python autograd.Function + Triton launches cost more host time than
+           SDPA's C++ path, so at these sizes eager numbers can measure the host, not the kernels.
+
+Length distributions:
 
   full     every sequence S tokens: SDPA without a mask (its flash backend)
   uniform  lengths uniform in [0.3 S, S]: SDPA on the padded batch with a boolean key-padding mask
@@ -13,7 +21,7 @@ TFLOP/s count real tokens only, for every provider: forward 4 * H * D * sum(len^
 forward+backward 3.5x that (the backward's five GEMMs = 2.5x forward). Padding work is never credited.
 
   python3 benchmarks/bench_attention.py                 # table + $OUT/bench_attention.json
-  python3 benchmarks/bench_attention.py --sweep         # also re-measure the kernels' launch configs
+  python3 benchmarks/bench_attention.py --sweep short   # first re-tune short-sequence launches (all: + S=512)
   python3 -m pytest benchmarks/bench_attention.py       # pytest-benchmark (needs CUDA)
 """
 from __future__ import annotations
@@ -219,10 +227,8 @@ def bench_case(case) -> list[dict]:
 # ---------------------------------------------------------------------------------- launch-config sweep
 SWEEP_SHORT = {  # sequences <= 128
     "fwd": [(64, 32, 4, 3), (64, 64, 4, 3), (32, 32, 4, 3), (64, 32, 4, 2)],
-    "bwd128": [("onepass", (32, 8, 2)), ("onepass", (32, 4, 2)), ("onepass", (64, 8, 2)), ("onepass", (16, 4, 2)),
-               ("onepass", (32, 8, 3)), ("tile", 8)],
-    "bwd64": [("onepass", (32, 4, 2)), ("onepass", (64, 4, 2)), ("onepass", (16, 4, 2)), ("onepass", (32, 4, 3)),
-              ("tile", 4)],
+    "bwd128": [8, 4],  # num_warps of the fused short backward, per length bucket
+    "bwd64": [4, 8],
 }
 SWEEP_LONG = {  # longer sequences: the two-kernel backward
     "fwd": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (128, 128, 8, 3), (64, 128, 4, 3)],
@@ -236,22 +242,15 @@ def _apply(kind, bucket, choice):
     if kind in ("fwd", "dq", "dkdv"):
         attn._GPU_CONFIGS[(kind, 64, bucket)] = choice
         return
-    block = 128 if kind == "bwd128" else 64
-    path, cfg = choice
-    attn._SHORT_BWD_KERNEL[block] = path
-    if path == "onepass":
-        attn._ONEPASS_CONFIGS[block] = cfg
-    else:
-        attn._SHORT_BWD_WARPS[block] = cfg
+    attn._SHORT_BWD_WARPS[128 if kind == "bwd128" else 64] = choice
 
 
 def _state():
-    return tuple(dict(x) for x in (attn._GPU_CONFIGS, attn._ONEPASS_CONFIGS, attn._SHORT_BWD_WARPS,
-                                   attn._SHORT_BWD_KERNEL))
+    return dict(attn._GPU_CONFIGS), dict(attn._SHORT_BWD_WARPS)
 
 
 def _restore(state):
-    attn._GPU_CONFIGS, attn._ONEPASS_CONFIGS, attn._SHORT_BWD_WARPS, attn._SHORT_BWD_KERNEL = (dict(x) for x in state)
+    attn._GPU_CONFIGS, attn._SHORT_BWD_WARPS = (dict(x) for x in state)
 
 
 def sweep(which: str) -> dict:
@@ -322,8 +321,7 @@ def main(argv=None) -> int:
     result["meta"] = dict(
         device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, dtype="bfloat16",
         configs={"/".join(map(str, k)): v for k, v in attn._GPU_CONFIGS.items()},
-        short_bwd=dict(kernel=attn._SHORT_BWD_KERNEL, max=attn._SHORT_BWD_MAX, onepass=attn._ONEPASS_CONFIGS,
-                       tile_warps=attn._SHORT_BWD_WARPS))
+        short_bwd=dict(max_seqlen=attn._SHORT_BWD_MAX, warps=attn._SHORT_BWD_WARPS))
     print(json.dumps(result["meta"]), flush=True)
     for shape in shapes:
         for dist in dists:

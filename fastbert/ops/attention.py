@@ -5,7 +5,8 @@
 
 Top to bottom: the plain-PyTorch reference (pads per sequence internally), the Triton kernels
 (flash-style forward that stores the log-sum-exp; backward as dQ (which also computes the
-softmax row term delta) then dK/dV),
+softmax row term delta) then dK/dV, or for sequences up to 128 tokens one fused program per
+(sequence, head)), 
 the host wrappers ``varlen_attention_forward`` / ``varlen_attention_backward``, the torch custom
 ops that let ``torch.compile`` wrap them, the ``autograd.Function`` and ``varlen_attention``.
 """
@@ -330,84 +331,12 @@ def _bwd_short_kernel(
              mask=mask_td)
 
 
-@_jit(do_not_specialize=["seed", "max_seqlen"])
-def _bwd_onepass_kernel(
-    Q, K, V, O, DO, LSE, DQ, DK, DV, CU_SEQLENS,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot, stride_doh,
-    stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-    stride_lse_h, nheads, qk_scale, softmax_scale, dropout_p, seed, max_seqlen, min_len,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """Whole backward of one (sequence, head) whose keys fit one BLOCK_N: grid (seq, head).
-
-    The dK/dV loop over query blocks, but since one program sees every key of the sequence, each
-    query block's dQ is complete inside its iteration: no dQ kernel, no atomics, the scores and
-    their exponentials computed once, delta computed in-loop. Sequences with length <= min_len
-    are left to a launch with a smaller BLOCK_N.
-    """
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    start = tl.load(CU_SEQLENS + seq)
-    seqlen = tl.load(CU_SEQLENS + seq + 1) - start
-    if (seqlen <= min_len) | (seqlen > BLOCK_N):
-        return
-    start64 = start.to(tl.int64)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_n = offs_n < seqlen
-    mask_d = offs_d < HEAD_DIM
-    mask_nd = mask_n[:, None] & mask_d[None, :]
-    k = tl.load(K + start64 * stride_kt + head * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :],
-                mask=mask_nd, other=0.0)
-    v = tl.load(V + start64 * stride_vt + head * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :],
-                mask=mask_nd, other=0.0)
-    q_base = Q + start64 * stride_qt + head * stride_qh
-    o_base = O + start64 * stride_ot + head * stride_oh
-    do_base = DO + start64 * stride_dot + head * stride_doh
-    dq_base = DQ + start64 * stride_dqt + head * stride_dqh
-    lse_base = LSE + head * stride_lse_h + start
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    stream = seq * nheads + head
-    for start_m in range(0, seqlen, BLOCK_M):
-        rows = start_m + offs_m
-        mask_m = rows < seqlen
-        mask_md = mask_m[:, None] & mask_d[None, :]
-        q = tl.load(q_base + rows[:, None] * stride_qt + offs_d[None, :], mask=mask_md, other=0.0)
-        do = tl.load(do_base + rows[:, None] * stride_dot + offs_d[None, :], mask=mask_md, other=0.0)
-        o = tl.load(o_base + rows[:, None] * stride_ot + offs_d[None, :], mask=mask_md, other=0.0)
-        lse = tl.load(lse_base + rows, mask=mask_m, other=0.0)
-        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
-        pT = tl.math.exp2(qkT - lse[None, :])
-        pT = tl.where(mask_n[:, None] & mask_m[None, :], pT, 0.0)
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        if HAS_DROPOUT:
-            keepT = _philox_keep(seed, stream, rows[None, :], offs_n[:, None], max_seqlen, dropout_p)
-            scale_keep = 1.0 / (1.0 - dropout_p)
-            dv = tl.dot(tl.where(keepT, pT * scale_keep, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-            dpT = tl.where(keepT, dpT * scale_keep, 0.0)
-        else:
-            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
-        dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
-        dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION) * softmax_scale  # (BLOCK_M, BLOCK_D)
-        tl.store(dq_base + rows[:, None] * stride_dqt + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=mask_md)
-    dk = dk * softmax_scale
-    tl.store(DK + start64 * stride_dkt + head * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
-             dk.to(DK.dtype.element_ty), mask=mask_nd)
-    tl.store(DV + start64 * stride_dvt + head * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=mask_nd)
-
-
 # ============================================================================ host wrappers
 # Launch configurations as (BLOCK_M, BLOCK_N, num_warps, num_stages) per (kernel, head_dim bucket,
 # max_seqlen bucket), chosen for BERT on Hopper from `benchmarks/bench_attention.py --sweep`.
 # Backward of sequences up to _SHORT_BWD_MAX tokens: one fused program per (sequence, head).
 _GPU_CONFIGS = {
-    ("fwd", 64, "short"): (64, 32, 4, 3),
+    ("fwd", 64, "short"): (64, 64, 4, 3),
     ("fwd", 64, "long"): (64, 64, 4, 3),
     ("dq", 64, "long"): (64, 32, 4, 3),
     ("dkdv", 64, "long"): (32, 128, 4, 2),
@@ -418,9 +347,6 @@ _GPU_CONFIGS = {
 }
 _SHORT_BWD_MAX = 128
 _SHORT_BWD_WARPS = {16: 4, 32: 4, 64: 4, 128: 8}
-_SHORT_BWD_KERNEL = {16: "onepass", 32: "onepass", 64: "onepass", 128: "onepass"}  # or "tile": one BLOCK^2 tile
-# onepass: BLOCK_N (the whole sequence) -> (BLOCK_M, num_warps, num_stages)
-_ONEPASS_CONFIGS = {16: (16, 4, 2), 32: (32, 4, 2), 64: (32, 4, 2), 128: (32, 8, 2)}
 _INTERPRETER_CONFIG = (32, 32, 1, 1)
 
 
@@ -499,18 +425,6 @@ def _backward_packed(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, dropo
     if blocks is not None:
         min_len = 0
         for block in blocks:
-            if _SHORT_BWD_KERNEL[block] == "onepass":
-                block_m, warps, stages = _ONEPASS_CONFIGS[block] if q.device.type == "cuda" else (32, 1, 1)
-                _bwd_onepass_kernel[(batch, nheads)](
-                    q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens,
-                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                    out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
-                    dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-                    lse.stride(0), nheads, softmax_scale * _LOG2E, softmax_scale, dropout_p, seed, max_seqlen,
-                    min_len, BLOCK_M=min(block_m, block), BLOCK_N=block, num_warps=warps, num_stages=stages,
-                    **consts)
-                min_len = block
-                continue
             _bwd_short_kernel[(batch, nheads)](
                 q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

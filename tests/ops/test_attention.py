@@ -60,7 +60,7 @@ def assert_close_to_reference(lengths, heads, head_dim, dtype, device=DEVICE, at
 
 
 # ---------------------------------------------------------------------------------- CPU (interpreter)
-@pytest.fixture(params=["onepass", "tile", "two-kernel"])
+@pytest.fixture(params=["fused-short", "two-kernel"])
 def backward_path(request, monkeypatch):
     """Sequences up to 128 tokens take a one-program-per-(sequence, head) backward; longer ones the
     dQ + dK/dV kernels. Run short batches through every path."""
@@ -68,8 +68,6 @@ def backward_path(request, monkeypatch):
 
     if request.param == "two-kernel":
         monkeypatch.setattr(attn, "_SHORT_BWD_MAX", 0)
-    else:
-        monkeypatch.setattr(attn, "_SHORT_BWD_KERNEL", dict.fromkeys(attn._SHORT_BWD_KERNEL, request.param))
     return request.param
 
 
