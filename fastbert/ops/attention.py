@@ -6,9 +6,9 @@
 Top to bottom: the plain-PyTorch reference (pads per sequence internally), the Triton kernels
 (flash-style forward that stores the log-sum-exp; backward as dQ (which also computes the
 softmax row term delta) then dK/dV, or for sequences up to 128 tokens one fused program per
-(sequence, head)), 
-the host wrappers ``varlen_attention_forward`` / ``varlen_attention_backward``, the torch custom
-ops that let ``torch.compile`` wrap them, the ``autograd.Function`` and ``varlen_attention``.
+(sequence, head)), the host wrappers ``varlen_attention_forward`` / ``varlen_attention_backward``,
+the torch custom ops that let ``torch.compile`` wrap them, the ``autograd.Function`` and
+``varlen_attention``.
 """
 from __future__ import annotations
 
