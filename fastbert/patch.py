@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from fastbert.ops import get_ops
 from fastbert.ops.attention import attention_probs_ref
