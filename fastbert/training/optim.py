@@ -109,12 +109,13 @@ class TorchLamb(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                g = p.grad.float()
+                dtype = torch.promote_types(p.dtype, torch.float32)   # fp32 maths for 16-bit params
+                g = p.grad.to(dtype)
                 state = self.state[p]
                 if not state:
                     state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
                 state["step"] += 1
                 m, v = state["exp_avg"], state["exp_avg_sq"]
                 m.mul_(b1).add_(g, alpha=1 - b1)
@@ -122,7 +123,7 @@ class TorchLamb(torch.optim.Optimizer):
                 m_hat = m / (1 - b1 ** state["step"])
                 v_hat = v / (1 - b2 ** state["step"])
                 update = m_hat / (v_hat.sqrt() + group["eps"])
-                w = p.float()
+                w = p.to(dtype)
                 if group["weight_decay"]:
                     update = update + group["weight_decay"] * w
                 w_norm, u_norm = w.norm(), update.norm()

@@ -1,0 +1,69 @@
+"""Learning-rate schedules: step budget and wall-clock budget with an injected clock (warmup and
+decay fractions, agreement through the MAX reduction, resume of the elapsed time)."""
+from __future__ import annotations
+
+import pytest
+
+from fastbert.training.schedules import (FakeClock, StepSchedule, TimeBudgetSchedule, make_clock, parse_duration,
+                                         warmup_linear_decay)
+
+
+def test_shape():
+    assert warmup_linear_decay(0.0, 0.06) == 0.0
+    assert warmup_linear_decay(0.03, 0.06) == pytest.approx(0.5)
+    assert warmup_linear_decay(0.06, 0.06) == pytest.approx(1.0)
+    assert warmup_linear_decay(0.53, 0.06) == pytest.approx(0.5)
+    assert warmup_linear_decay(1.0, 0.06) == 0.0 and warmup_linear_decay(1.5, 0.06) == 0.0
+
+
+def test_step_schedule_midpoints():
+    s = StepSchedule(1e-3, total_steps=100, warmup=0.1)
+    lrs = [s.lr(k) for k in range(100)]
+    assert lrs[0] == pytest.approx(1e-3 * 0.005 / 0.1) and lrs[-1] == pytest.approx(1e-3 * 0.005 / 0.9)
+    assert max(range(100), key=lambda k: lrs[k]) == 10       # first step past the 10% warmup
+    assert all(x > 0 for x in lrs) and s.done(100) and not s.done(99)
+
+
+def test_time_budget_with_fake_clock():
+    clock = FakeClock(tick=2.0)
+    s = TimeBudgetSchedule(1e-3, budget_s=100.0, warmup=0.06, clock=clock)
+    s.start()
+    lrs, k = [], 0
+    while True:
+        lr = s.tick(k)
+        if s.done(k):
+            break
+        lrs.append(lr)
+        k += 1
+    assert len(lrs) == 49                               # elapsed 2, 4, ..., 98 < 100
+    assert lrs[2] == pytest.approx(1e-3)                # elapsed 6 = 6% of the budget: the peak
+    assert lrs[0] == pytest.approx(1e-3 / 3)            # elapsed 2 -> 1/3 of warmup
+    assert lrs[-1] == pytest.approx(1e-3 * 2 / 94)      # elapsed 98: 2% of the decay left
+
+
+def test_time_budget_agrees_on_max_and_resumes():
+    # Rank 0's view when rank 1's clock runs 1.5x faster: the reduction returns rank 1's elapsed time.
+    # (The real all-reduce across processes is exercised in test_pretrain_distributed.py.)
+    s0 = TimeBudgetSchedule(1.0, 10.0, 0.0, clock=FakeClock(1.0), all_reduce_max=lambda x: max(x, 1.5 * x))
+    s0.start()
+    assert s0.tick(0) == pytest.approx(1 - 1.5 / 10)    # rank 0 sees 1.0 locally, agrees on 1.5
+    state = s0.state_dict()
+    assert state["elapsed"] == 1.5
+    s1 = TimeBudgetSchedule(1.0, 10.0, 0.0, clock=FakeClock(1.0))
+    s1.load_state_dict(state)
+    s1.start()
+    assert s1.tick(1) == pytest.approx(1 - 2.5 / 10)    # continues from the stored elapsed time
+    with pytest.raises(ValueError, match="schedule"):
+        s1.load_state_dict(StepSchedule(1.0, 10).state_dict())
+
+
+def test_durations_and_clocks():
+    assert parse_duration("24h") == 86400 and parse_duration("1h30m") == 5400 and parse_duration(90) == 90
+    assert parse_duration("2.5m") == 150
+    for bad in ("", "soon", "5x"):
+        with pytest.raises(ValueError, match="duration"):
+            parse_duration(bad)
+    c = make_clock("fake:0.5:1", rank=1)
+    assert c() == 1.0 and c() == 2.0
+    with pytest.raises(ValueError):
+        make_clock("sundial")
