@@ -128,6 +128,21 @@ py::tuple encode_one(const Tokenizer& tok, const py::handle& text) {
   return py::make_tuple(ids, offsets);
 }
 
+py::list pre_tokenize(const Tokenizer& tok, const py::handle& text) {
+  const TextRef ref = text_ref(text.ptr(), "text", -1);
+  std::vector<PreToken> words;
+  try {
+    py::gil_scoped_release release;
+    words = tok.pre_tokenize(ref);
+  } catch (const EncodeError& e) {
+    raise_surrogate(e, "text");
+  }
+  py::list out;
+  for (const PreToken& w : words)
+    out.append(py::make_tuple(py::str(w.word), py::make_tuple(w.start, w.end)));
+  return out;
+}
+
 // Tokenizes texts (and pairs) on the pool; returns the tokens and each row's segment indices.
 BatchTokens tokenize_rows(const Tokenizer& tok, const py::tuple& texts, const py::object& pairs, int threads,
                           std::vector<int64_t>& first, std::vector<int64_t>& second) {
@@ -305,6 +320,9 @@ PYBIND11_MODULE(_C, m) {
       .def("encode", &encode_one, py::arg("text"),
            "Tokens of one text without special tokens: (ids int32 (n,), offsets int32 (n, 2)), offsets in "
            "code points of the original text.")
+      .def("pre_tokenize", &pre_tokenize, py::arg("text"),
+           "Normalized words of one text with their (start, end) code point spans: HF's BertNormalizer + "
+           "BertPreTokenizer splits (no special-token matching, no word length limit).")
       .def("encode_batch", &encode_batch, py::arg("texts"), py::arg("pairs"), py::arg("add_special_tokens"),
            py::arg("max_length"), py::arg("truncation"), py::arg("padding"), py::arg("pad_to_multiple_of"),
            py::arg("return_offsets"), py::arg("num_threads"), py::arg("cls_id"), py::arg("sep_id"),

@@ -9,15 +9,49 @@
 namespace fastbert {
 
 struct Tokenizer::Scratch {
-  explicit Scratch(int max_chars)
-      : bytes(4 * static_cast<size_t>(max_chars) + 8), orig(bytes.size()), r_cp(max_chars + 1),
-        r_ccc(max_chars + 1), r_orig(max_chars + 1) {}
+  // cap: characters kept per word; a longer word is [UNK], only its span matters.
+  explicit Scratch(int64_t cap)
+      : cap(cap), bytes(4 * static_cast<size_t>(cap) + 8), orig(bytes.size()), r_cp(cap + 1), r_ccc(cap + 1),
+        r_orig(cap + 1) {}
+  int64_t cap;
   std::vector<uint8_t> bytes;   // the current word, normalized, UTF-8 (first max_chars characters)
   std::vector<int64_t> orig;    // original character index of each byte
   std::vector<uint32_t> r_cp, r_ccc;  // canonical-reordering scratch
   std::vector<int64_t> r_orig;
-  int nb = 0, nchars = 0, nreorder = 0;
+  int64_t nb = 0, nchars = 0, nreorder = 0;
   int64_t first = 0, last = 0;  // original index of the word's first and last normalized character
+
+  // Canonical reordering in place (wordpiece_core.h) when two characters of the word may need it.
+  template <typename CharT>
+  void reorder(const NormTable& table, const CharT* s) {
+    if (nreorder < 2) return;
+    nb = reorder_word(table.view(), table.nfd_view(), [s](int64_t i) { return static_cast<uint32_t>(s[i]); },
+                      first, last, bytes.data(), orig.data(), r_cp.data(), r_ccc.data(), r_orig.data(),
+                      static_cast<int>(cap));
+  }
+};
+
+// Word handler of encode_chars that WordPiece-tokenizes each word into a TokenSink.
+struct Tokenizer::Emitter {
+  const Tokenizer& tok;
+  TokenSink& out;
+  template <typename CharT>
+  void word(const CharT* s, Scratch& w) { tok.finish_word(s, w, out); }
+  void ascii_isolated(uint8_t byte, int64_t i) { out.push(tok.ascii_piece_[byte], i, i + 1); }
+  void special(int32_t id, int64_t i, int64_t len) { out.push(id, i, i + len); }
+};
+
+// Word handler that keeps the normalized words (pre_tokenize).
+struct Tokenizer::Collector {
+  std::vector<PreToken>& out;
+  const NormTable& table;
+  template <typename CharT>
+  void word(const CharT* s, Scratch& w) {
+    w.reorder(table, s);
+    out.push_back({std::string(reinterpret_cast<const char*>(w.bytes.data()), w.nb), w.first, w.last + 1});
+  }
+  void ascii_isolated(uint8_t byte, int64_t i) { out.push_back({std::string(1, static_cast<char>(byte)), i, i + 1}); }
+  void special(int32_t, int64_t, int64_t) {}  // not reached: the collector runs without special tokens
 };
 
 Tokenizer::Tokenizer(const std::vector<std::string>& vocab, const TokenizerConfig& config)
@@ -66,12 +100,8 @@ void Tokenizer::finish_word(const CharT* s, Scratch& w, TokenSink& out) const {
     out.push(unk, w.first, w.last + 1);
     return;
   }
-  int nb = w.nb;
-  if (w.nreorder >= 2) {
-    nb = reorder_word(norm_->view(), norm_->nfd_view(), [s](int64_t i) { return static_cast<uint32_t>(s[i]); },
-                      w.first, w.last, w.bytes.data(), w.orig.data(), w.r_cp.data(), w.r_ccc.data(),
-                      w.r_orig.data(), config_.max_input_chars_per_word);
-  }
+  w.reorder(*norm_, s);
+  const int nb = static_cast<int>(w.nb);
   const int64_t base = out.size();
   const int64_t* orig = w.orig.data();
   const int k = match_word(trie_.view(), w.bytes.data(), nb,
@@ -82,15 +112,17 @@ void Tokenizer::finish_word(const CharT* s, Scratch& w, TokenSink& out) const {
   }
 }
 
-template <typename CharT>
-void Tokenizer::encode_chars(const CharT* s, int64_t n, TokenSink& out, Scratch& w) const {
+template <typename CharT, typename Handler>
+void Tokenizer::encode_chars(const CharT* s, int64_t n, Handler& handler, Scratch& w, bool specials) const {
   const NormTable& table = *norm_;
   const NormView nv = table.view();
   const AsciiEntry* ascii = table.ascii;
-  const int cap = config_.max_input_chars_per_word;
+  const int64_t cap = w.cap;
+  const bool* special_first = specials ? special_first_ : no_special_;
+  const bool special_nonascii = specials && special_nonascii_;
   uint8_t* bytes = w.bytes.data();
   int64_t* orig = w.orig.data();
-  int nb = 0, nchars = 0, nreorder = 0;
+  int64_t nb = 0, nchars = 0, nreorder = 0;
   int64_t first = 0, last = 0;
   auto flush = [&]() {
     if (nchars == 0) return;
@@ -99,7 +131,7 @@ void Tokenizer::encode_chars(const CharT* s, int64_t n, TokenSink& out, Scratch&
     w.nreorder = nreorder;
     w.first = first;
     w.last = last;
-    finish_word(s, w, out);
+    handler.word(s, w);
     nb = nchars = nreorder = 0;
   };
   auto push = [&](uint32_t cp, int64_t i) {
@@ -117,14 +149,14 @@ void Tokenizer::encode_chars(const CharT* s, int64_t n, TokenSink& out, Scratch&
     const int64_t len = match_special(s, n, i, &id);
     if (len == 0) return false;
     flush();
-    out.push(id, i, i + len);
+    handler.special(id, i, len);
     i += len - 1;
     return true;
   };
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t cp = s[i];
     if (cp < 128) {
-      if (special_first_[cp] && special(i)) continue;
+      if (special_first[cp] && special(i)) continue;
       const AsciiEntry a = ascii[cp];
       if (a.klass == kWord) {
         if (nchars == 0) first = i;
@@ -139,11 +171,11 @@ void Tokenizer::encode_chars(const CharT* s, int64_t n, TokenSink& out, Scratch&
         flush();
       } else if (a.klass == kIsolated) {
         flush();
-        out.push(ascii_piece_[a.byte], i, i + 1);
+        handler.ascii_isolated(a.byte, i);
       }
       continue;
     }
-    if (special_nonascii_ && special(i)) continue;
+    if (special_nonascii && special(i)) continue;
     const uint32_t e = nv.lookup(cp);
     if (e & kIdentity) {
       const uint32_t klass = (e >> kClassShift) & 3;
@@ -179,14 +211,28 @@ void Tokenizer::encode_chars(const CharT* s, int64_t n, TokenSink& out, Scratch&
   flush();
 }
 
-void Tokenizer::encode(const TextRef& text, TokenSink& out) const {
-  Scratch w(config_.max_input_chars_per_word);
-  switch (text.kind) {
-    case 1: encode_chars(static_cast<const uint8_t*>(text.data), text.length, out, w); break;
-    case 2: encode_chars(static_cast<const uint16_t*>(text.data), text.length, out, w); break;
-    case 4: encode_chars(static_cast<const uint32_t*>(text.data), text.length, out, w); break;
+template <typename Handler>
+void Tokenizer::dispatch(const TextRef& t, Handler& handler, Scratch& w, bool specials) const {
+  switch (t.kind) {
+    case 1: encode_chars(static_cast<const uint8_t*>(t.data), t.length, handler, w, specials); break;
+    case 2: encode_chars(static_cast<const uint16_t*>(t.data), t.length, handler, w, specials); break;
+    case 4: encode_chars(static_cast<const uint32_t*>(t.data), t.length, handler, w, specials); break;
     default: throw std::invalid_argument("text kind must be 1, 2 or 4 bytes per code point");
   }
+}
+
+void Tokenizer::encode(const TextRef& text, TokenSink& out) const {
+  Scratch w(config_.max_input_chars_per_word);
+  Emitter emitter{*this, out};
+  dispatch(text, emitter, w, true);
+}
+
+std::vector<PreToken> Tokenizer::pre_tokenize(const TextRef& text) const {
+  std::vector<PreToken> words;
+  Scratch w(text.length + 1);  // no length limit
+  Collector collector{words, *norm_};
+  dispatch(text, collector, w, false);
+  return words;
 }
 
 BatchTokens Tokenizer::encode_batch(const std::vector<TextRef>& segments, int threads) const {
@@ -212,6 +258,7 @@ BatchTokens Tokenizer::encode_batch(const std::vector<TextRef>& segments, int th
   ThreadPool::instance().run(chunks, threads, [&](int64_t c) {
     Scratch w(config_.max_input_chars_per_word);
     TokenSink& sink = bt.sinks[c];
+    Emitter emitter{*this, sink};
     int64_t chars = 0;
     for (int64_t s = bounds[c]; s < bounds[c + 1]; ++s) chars += segments[s].length;
     sink.tokens.reserve(chars / 4 + 16);
@@ -219,11 +266,7 @@ BatchTokens Tokenizer::encode_batch(const std::vector<TextRef>& segments, int th
       const int64_t begin = sink.size();
       const TextRef& t = segments[s];
       try {
-        switch (t.kind) {
-          case 1: encode_chars(static_cast<const uint8_t*>(t.data), t.length, sink, w); break;
-          case 2: encode_chars(static_cast<const uint16_t*>(t.data), t.length, sink, w); break;
-          default: encode_chars(static_cast<const uint32_t*>(t.data), t.length, sink, w); break;
-        }
+        dispatch(t, emitter, w, true);
       } catch (EncodeError& e) {
         e.text = s;
         throw;
@@ -249,6 +292,10 @@ void truncate_lengths(int64_t& a, int64_t& b, int64_t budget, PostOptions::Strat
     return;
   }
   if (a + b <= budget) return;
+  if (budget == 0) {  // HF empties both sequences, whatever the strategy
+    a = b = 0;
+    return;
+  }
   if (strategy == PostOptions::kLongestFirst) {
     // The shorter keeps its length if the longer can absorb the cut; otherwise both get half.
     int64_t n1 = std::min(a, b), n2 = std::max(a, b);
@@ -268,7 +315,7 @@ void truncate_lengths(int64_t& a, int64_t& b, int64_t budget, PostOptions::Strat
   }
   const int64_t to_remove = a + b - budget;
   int64_t& target = strategy == PostOptions::kOnlyFirst ? a : b;
-  if (target < to_remove) {
+  if (target <= to_remove) {  // HF refuses to empty one sequence entirely
     const char* which = strategy == PostOptions::kOnlyFirst ? "first" : "second";
     const char* name = strategy == PostOptions::kOnlyFirst ? "only_first" : "only_second";
     throw std::invalid_argument("truncation='" + std::string(name) + "' cannot fit max_length: the " + which +

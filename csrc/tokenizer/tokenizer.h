@@ -36,6 +36,12 @@ struct TokenSink {
   void truncate(int64_t n) { tokens.resize(n); }
 };
 
+// A normalized word and the [start, end) code points it spans in the original text.
+struct PreToken {
+  std::string word;  // UTF-8
+  int64_t start, end;
+};
+
 // A text that cannot be encoded (a lone surrogate). `text` is filled in by batch callers.
 struct EncodeError : std::runtime_error {
   EncodeError(int64_t position, uint32_t cp) : std::runtime_error("lone surrogate"), position(position), cp(cp) {}
@@ -81,6 +87,9 @@ class Tokenizer {
 
   // Appends the tokens of one text to `out`. Throws EncodeError.
   void encode(const TextRef& text, TokenSink& out) const;
+  // Normalization + pre-tokenization only (no special tokens, no length limit): HF's
+  // normalizer + pre-tokenizer splits. Throws EncodeError.
+  std::vector<PreToken> pre_tokenize(const TextRef& text) const;
   BatchTokens encode_batch(const std::vector<TextRef>& segments, int threads) const;
 
   // rows: segment index of each row's first text and of its pair (-1: none).
@@ -101,8 +110,12 @@ class Tokenizer {
 
  private:
   struct Scratch;
-  template <typename CharT>
-  void encode_chars(const CharT* s, int64_t n, TokenSink& out, Scratch& w) const;
+  struct Emitter;
+  struct Collector;
+  template <typename CharT, typename Handler>
+  void encode_chars(const CharT* s, int64_t n, Handler& handler, Scratch& w, bool specials) const;
+  template <typename Handler>
+  void dispatch(const TextRef& text, Handler& handler, Scratch& w, bool specials) const;
   template <typename CharT>
   int64_t match_special(const CharT* s, int64_t n, int64_t i, int32_t* id) const;
   template <typename CharT>
@@ -116,6 +129,7 @@ class Tokenizer {
   int32_t ascii_piece_[128];   // id of a one-character ASCII word (punctuation), or [UNK]
   bool special_first_[128];    // ASCII characters that start a special token
   bool special_nonascii_ = false;
+  bool no_special_[128] = {};  // special_first_ with special-token matching off
 };
 
 }  // namespace fastbert
