@@ -242,7 +242,7 @@ def _patched_forward(self, input_ids=None, attention_mask=None, token_type_ids=N
     # True, or (transformers >= 5.2x) an index / list of indices of the hidden states to keep.
     want_hidden = output_hidden_states is not None and output_hidden_states is not False
     if return_dict is None:
-        return_dict = getattr(cfg, "use_return_dict", getattr(cfg, "return_dict", True))
+        return_dict = getattr(cfg, "return_dict", True)
     ref = input_ids if input_ids is not None else inputs_embeds
     batch, seq = ref.shape[:2]
     if attention_mask is None:

@@ -185,3 +185,19 @@ def test_refuses_unsupported_models_and_inputs():
         model(**batch, past_key_values=object())
     with pytest.raises(fp.UnsupportedModelError, match="attention_mask must be a"):
         model(batch["input_ids"], attention_mask=batch["attention_mask"][:, None, None, :])
+
+
+def test_real_minilm_checkpoint(minilm_dir):
+    """A real pre-trained BERT (all-MiniLM-L6-v2, 6 layers, hidden 384, 12 heads of 32)."""
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(minilm_dir)
+    model = AutoModel.from_pretrained(minilm_dir).to(DEVICE).eval()
+    batch = tok(["fastbert patches HF BERT in place.", "Padding costs nothing inside the encoder.", "x"],
+                padding=True, return_tensors="pt").to(DEVICE)
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        want = model(**batch)
+        got = fp.patch(model)(**batch)
+    torch.testing.assert_close(got.last_hidden_state[real], want.last_hidden_state[real], **TOL)
+    torch.testing.assert_close(got.pooler_output, want.pooler_output, **TOL)
