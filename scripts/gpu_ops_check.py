@@ -5,9 +5,9 @@ statistically, not bitwise).
 
     python3 scripts/gpu_ops_check.py [--steps 300] [--preset tiny]
 
-Data are synthetic but learnable: each sequence mostly follows a fixed random successor map over
-the vocabulary, so a masked token is predictable from its neighbours and the MLM loss falls well
-below log(vocab). Training: BertForPreTraining (MLM only), AdamW, linear warm-up and decay, bf16
+Data are synthetic but learnable: each sequence draws its tokens from one of 16 topics (disjoint
+vocabulary slices, Zipf inside), so a masked token is predictable from its context and the MLM
+loss falls well below log(vocab). Training: BertForPreTraining (MLM only), AdamW, linear warm-up and decay, bf16
 autocast over fp32 weights, dropout 0.1. Exit status 1 when the curves disagree; with $OUT set the
 curves go to $OUT/convergence.json.
 """
@@ -33,23 +33,23 @@ from fastbert.heads import BertForPreTraining  # noqa: E402
 PAD, CLS, SEP, MASK, FIRST = 0, 1, 2, 3, 4
 
 
-def make_batches(steps, batch, seq, vocab, seed=0):
-    """(input_ids, attention_mask, labels) per step, int64 on the CPU."""
+def make_batches(steps, batch, seq, vocab, seed=0, topics=16):
+    """(input_ids, attention_mask, labels) per step, int64 on the CPU. Each sequence draws its
+    tokens from one of ``topics`` disjoint slices of the vocabulary (Zipf-distributed inside the
+    slice), so a masked token's topic is predictable from its context."""
     rng = np.random.default_rng(seed)
-    successor = rng.permutation(np.arange(FIRST, vocab))  # token t is usually followed by successor[t - FIRST]
+    per_topic = (vocab - FIRST) // topics
+    zipf = 1.0 / np.arange(1, per_topic + 1)
+    zipf /= zipf.sum()
     out = []
     for _ in range(steps):
         lengths = rng.integers(seq // 2, seq + 1, size=batch)
-        ids = np.zeros((batch, seq), dtype=np.int64)
-        for b, n in enumerate(lengths):
-            t = rng.integers(FIRST, vocab)
-            row = [CLS]
-            for _ in range(n - 2):
-                row.append(t)
-                t = successor[t - FIRST] if rng.random() < 0.9 else rng.integers(FIRST, vocab)
-            row.append(SEP)
-            ids[b, :n] = row
+        topic = rng.integers(0, topics, size=(batch, 1))
+        ids = FIRST + topic * per_topic + rng.choice(per_topic, size=(batch, seq), p=zipf)
+        ids[:, 0] = CLS
+        ids[np.arange(batch), lengths - 1] = SEP
         mask = np.arange(seq)[None] < lengths[:, None]
+        ids = np.where(mask, ids, PAD)
         pick = (rng.random((batch, seq)) < 0.15) & mask & (ids >= FIRST)
         labels = np.where(pick, ids, -100)
         r = rng.random((batch, seq))
@@ -94,7 +94,7 @@ def main(argv=None):
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=1028)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--tol", type=float, default=0.03, help="allowed relative gap of the final smoothed losses")
     args = ap.parse_args(argv)
@@ -119,7 +119,7 @@ def main(argv=None):
     max_gap = max(abs(a - b) / b for a, b in zip(s_triton[25:], s_torch[25:]))
     start = math.log(args.vocab)
     finite = all(math.isfinite(x) for c in curves.values() for x in c)
-    learned = s_torch[-1] < 0.6 * start and s_triton[-1] < 0.6 * start
+    learned = s_torch[-1] < 0.8 * start and s_triton[-1] < 0.8 * start
     ok = finite and learned and gap <= args.tol
     print(f"final smoothed loss: torch {s_torch[-1]:.4f}, triton {s_triton[-1]:.4f} (log V = {start:.2f}); "
           f"relative gap {gap:.4f} (max over steps >= 25: {max_gap:.4f}); ms/step torch {ms['torch']:.1f}, "
