@@ -209,6 +209,9 @@ def export_hf(engine: TrainEngine, model_cls, config, out_dir: Path, ckpt_dir: P
 # ------------------------------------------------------------------------------------------ main
 def run_pretraining(cfg: dict) -> dict:
     """Train per ``cfg`` (see training/config.py); returns the final summary (rank 0 has the metrics)."""
+    import warnings
+    # DeepSpeed 0.19 calls torch.distributed collectives that torch 2.13 marks deprecated, once per bucket.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     dist = init_distributed()
     out_dir = Path(cfg["output_dir"])
     log = MetricsLogger(out_dir, enabled=dist.is_main, tensorboard=cfg["log"]["tensorboard"])
@@ -229,6 +232,7 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger) -> dict:
     seed = int(t_cfg["seed"])
     _seed_all(seed)                                   # identical initial weights on every rank
     model = build_model(cfg, index, dist.device)
+    num_params = model.num_parameters()               # before ZeRO-3 partitions the parameters
     ckpt_dir = out_dir / "checkpoints"
     c_cfg = cfg["checkpoint"]
     resume_tag, ds_config = choose_resume(c_cfg["resume"], ckpt_dir, dist, load_ds_config(t_cfg["deepspeed"]), log)
@@ -293,7 +297,7 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger) -> dict:
     mc = model.config
     avg_len = index["splits"]["train"]["num_tokens"] / max(1, index["splits"]["train"]["num_sequences"])
     peak = peak_tflops(dist.device, cfg["log"]["peak_tflops"])
-    log.print(f"[fastbert] {type(model).__name__} {cfg['model']['preset']} ({model.num_parameters() / 1e6:.1f}M params, "
+    log.print(f"[fastbert] {type(model).__name__} {cfg['model']['preset']} ({num_params / 1e6:.1f}M params, "
               f"kernels={mc.kernels}, prenorm={mc.prenorm}) | {dist.world_size} rank(s) on {dist.num_nodes} node(s), "
               f"{dist.device.type} | ZeRO-{engine.zero_stage} {engine.precision} | global batch "
               f"{engine.global_batch_size} = {engine.micro_batch_size} x {dist.world_size} x {engine.grad_accum} | "
