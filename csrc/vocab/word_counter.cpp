@@ -80,7 +80,7 @@ char32_t next_code_point(std::string_view text, size_t& i) {
 
 WordCounter::WordCounter(int num_threads)
     : num_threads_(num_threads > 0 ? num_threads : std::max(1u, std::thread::hardware_concurrency())),
-      table_(kMaxCodePoint + 1, -1),
+      table_(kMaxCodePoint + 1, kUnknown),
       shards_(num_threads_) {}
 
 std::vector<char32_t> WordCounter::missing(std::string_view text) const {
@@ -88,7 +88,7 @@ std::vector<char32_t> WordCounter::missing(std::string_view text) const {
   std::vector<char32_t> out;
   for (size_t i = 0; i < text.size();) {
     const char32_t cp = next_code_point(text, i);
-    if (table_[cp] < 0 && !seen[cp]) {
+    if (table_[cp] == kUnknown && !seen[cp]) {
       seen[cp] = true;
       out.push_back(cp);
     }
@@ -102,10 +102,12 @@ void WordCounter::set_char(char32_t cp, std::vector<NormalizedChar> out) {
   for (const auto& c : out) {
     if (c.cp > kMaxCodePoint || c.kind > kSpace) throw std::invalid_argument("bad normalized character");
   }
-  if (table_[cp] >= 0) {
-    entries_[table_[cp]] = std::move(out);
+  if (out.empty()) {
+    table_[cp] = kDrop;
+  } else if (out.size() == 1) {
+    table_[cp] = (static_cast<uint32_t>(out[0].cp) << 2) | out[0].kind;
   } else {
-    table_[cp] = static_cast<int32_t>(entries_.size());
+    table_[cp] = kComplex | static_cast<uint32_t>(entries_.size());
     entries_.push_back(std::move(out));
   }
 }
@@ -120,6 +122,17 @@ void WordCounter::count_range(std::string_view text, WordCounts& counts, uint64_
       word.clear();
     }
   };
+  const auto emit = [&](char32_t cp, uint32_t kind) {
+    if (kind == kWord) {
+      append_utf8(word, cp);
+      return;
+    }
+    flush();
+    if (kind == kIsolated) {
+      append_utf8(word, cp);
+      flush();
+    }
+  };
   size_t start = 0;
   while (start < text.size()) {
     size_t end = text.find('\n', start);
@@ -130,18 +143,13 @@ void WordCounter::count_range(std::string_view text, WordCounts& counts, uint64_
     if (!line.empty() && line[0] == '<' && is_markup_line(line)) continue;
     for (size_t i = 0; i < line.size();) {
       const char32_t cp = next_code_point(line, i);
-      const int32_t entry = table_[cp];
-      if (entry < 0) throw std::logic_error("code point without normalization entry (call missing/set_char first)");
-      for (const NormalizedChar& c : entries_[entry]) {
-        if (c.kind == kWord) {
-          append_utf8(word, c.cp);
-          continue;
-        }
-        flush();
-        if (c.kind == kIsolated) {
-          append_utf8(word, c.cp);
-          flush();
-        }
+      const uint32_t entry = table_[cp];
+      if (entry < kComplex) {
+        emit(entry >> 2, entry & 3);
+      } else if (entry == kUnknown) {
+        throw std::logic_error("code point without normalization entry (call missing/set_char first)");
+      } else if (entry != kDrop) {
+        for (const NormalizedChar& c : entries_[entry & ~kComplex]) emit(c.cp, c.kind);
       }
     }
     flush();  // a line end is a word boundary

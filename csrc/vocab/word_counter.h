@@ -51,8 +51,11 @@ class WordCounter {
  private:
   void count_range(std::string_view text, WordCounts& counts, uint64_t& lines, uint64_t& words) const;
 
+  // Per code point: kUnknown, kDrop, (normalized code point << 2 | kind) when it becomes one
+  // character (nearly all), or kComplex | index into entries_.
+  static constexpr uint32_t kUnknown = 0xFFFFFFFFu, kDrop = 0xFFFFFFFEu, kComplex = 0x80000000u;
   int num_threads_;
-  std::vector<int32_t> table_;  // code point -> index into entries_, or -1 when unknown
+  std::vector<uint32_t> table_;
   std::vector<std::vector<NormalizedChar>> entries_;
   std::vector<WordCounts> shards_;  // one per thread, kept across add() calls
   uint64_t bytes_ = 0, lines_ = 0, words_ = 0;

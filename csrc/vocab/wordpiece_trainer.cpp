@@ -159,18 +159,22 @@ void Trainer::merge(uint32_t a, uint32_t b, uint32_t c) {
     auto it = pairs_.find(k);
     if (it != pairs_.end() && (it->second.words.empty() || it->second.words.back() != w)) it->second.words.push_back(w);
   }
-  // Pairs containing a, b or c changed score through the denominator.
-  for (const uint32_t s : {a, b, c}) {
-    std::vector<Key>& list = sym_pairs_[s];
-    std::sort(list.begin(), list.end());
-    list.erase(std::unique(list.begin(), list.end()), list.end());
-    list.erase(std::remove_if(list.begin(), list.end(), [&](Key k) { return pairs_.find(k) == pairs_.end(); }),
-               list.end());
-    rescore.insert(rescore.end(), list.begin(), list.end());
-  }
+  // Pairs containing a, b or c changed score through the denominator. Their lists may hold dead
+  // or repeated keys: look each key up once, push the live ones, and rebuild the lists from them.
+  for (const uint32_t s : {a, b, c}) rescore.insert(rescore.end(), sym_pairs_[s].begin(), sym_pairs_[s].end());
   std::sort(rescore.begin(), rescore.end());
   rescore.erase(std::unique(rescore.begin(), rescore.end()), rescore.end());
-  for (const Key k : rescore) push(k, pairs_.at(k));
+  for (const uint32_t s : {a, b, c}) sym_pairs_[s].clear();
+  for (const Key k : rescore) {
+    const auto it = pairs_.find(k);
+    if (it == pairs_.end()) continue;
+    push(k, it->second);
+    for (const uint32_t s : {a, b, c}) {
+      if ((left_of(k) == s || right_of(k) == s) && (sym_pairs_[s].empty() || sym_pairs_[s].back() != k)) {
+        sym_pairs_[s].push_back(k);
+      }
+    }
+  }
   if (heap_.size() > 4 * pairs_.size() + (1u << 20)) rebuild_heap();
 }
 
