@@ -92,7 +92,7 @@ def test_ids_and_offsets_match_hf(pair, corpus):
 
 def test_tokenize_and_decode_match_hf(pair, corpus):
     ref, hf = pair
-    lines = corpus[::7]
+    lines = corpus[::13]
     for line in lines:
         assert ref.tokenize(line) == hf.tokenize(line), line
     for line in lines[:300]:
@@ -101,10 +101,10 @@ def test_tokenize_and_decode_match_hf(pair, corpus):
             assert ref.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip), line
 
 
-@pytest.mark.parametrize("max_length", [8, 19, 64])
+@pytest.mark.parametrize("max_length", [9, 64])
 def test_pairs_with_truncation_match_hf(pair, corpus, max_length):
     ref, hf = pair
-    firsts, seconds = corpus[0:3000:3], corpus[1:3000:3]
+    firsts, seconds = corpus[0::12], corpus[5::12]  # wiki, UD and UDHR lines
     ours = ref.encode_batch(firsts, seconds, max_length=max_length, truncation=True, return_offsets=True)
     theirs = hf(firsts, seconds, max_length=max_length, truncation=True, return_offsets_mapping=True)
     for key in ("input_ids", "token_type_ids", "attention_mask"):
