@@ -34,7 +34,8 @@ sys.path.insert(0, str(REPO))
 def launch(out: Path, data: Path, nproc: int, zero: int, steps: int, micro: int, global_batch: int, log: Path,
            extra=(), kernels: str = "auto") -> dict:
     """One ``fastbert pretrain`` run (torchrun when nproc > 1). Returns the parsed metrics."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=29611",
+    launch.port = getattr(launch, "port", 29610) + 1      # a fresh port per run: no TIME_WAIT clashes
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={launch.port}",
            "-m", "fastbert.commands.pretrain"] if nproc > 1 else [sys.executable, "-m", "fastbert.commands.pretrain"]
     cmd += ["--config", "configs/base.json", f"output_dir={out}", f"data.dir={data}", "data.auto_prepare=false",
             f"train.deepspeed=configs/ds_zero{zero}.json", "train.precision=bf16", f"train.max_steps={steps}",
@@ -62,8 +63,11 @@ def launch(out: Path, data: Path, nproc: int, zero: int, steps: int, micro: int,
             "resumed": [r for r in recs if r["event"] == "resume"]}
 
 
-def hf_baseline(data: Path, micro: int, steps: int = 20, warmup: int = 5) -> dict:
-    """HF BertForPreTraining (SDPA, bf16 autocast, fused AdamW) on the same batches as fastbert."""
+def hf_baseline(data: Path, micro: int, steps: int = 20, warmup: int = 5, which: str = "hf") -> dict:
+    """A bare loop (no DeepSpeed, no loader thread): bf16 autocast over fp32 weights, fused torch AdamW,
+    on the same batches (same masking) as the fastbert runs. ``which``: "hf" = transformers'
+    BertForPreTraining (SDPA); "fastbert" = fastbert.BertForPreTraining (Triton kernels): the model's
+    own speed, to separate it from the training loop's overhead."""
     import torch
     import transformers
     from fastbert.data.masking import collator_for
@@ -73,8 +77,13 @@ def hf_baseline(data: Path, micro: int, steps: int = 20, warmup: int = 5) -> dic
     train = PretrainData(data, "train")
     order = GlobalOrder(len(train), micro, seed=42)
     collator = collator_for(data, seed=0, device=dev)
-    cfg = transformers.BertConfig(vocab_size=train.index["vocab_size"], attn_implementation="sdpa")
-    model = transformers.BertForPreTraining(cfg).to(dev).train()
+    if which == "hf":
+        cfg = transformers.BertConfig(vocab_size=train.index["vocab_size"], attn_implementation="sdpa")
+        model = transformers.BertForPreTraining(cfg).to(dev).train()
+    else:
+        import fastbert
+        cfg = fastbert.BertConfig.preset("base", vocab_size=train.index["vocab_size"], kernels="triton")
+        model = fastbert.BertForPreTraining(cfg).to(dev).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     batches = []
     for s in range(warmup + steps):
@@ -106,7 +115,7 @@ def hf_baseline(data: Path, micro: int, steps: int = 20, warmup: int = 5) -> dic
     del model, opt
     torch.cuda.empty_cache()
     return {"seq_per_s": micro * 1000 / ms, "tokens_per_s": tokens * 1000 / ms, "step_ms": ms,
-            "last_loss": float(loss), "peak_mem_gib": mem}
+            "last_loss": float(loss.detach()), "peak_mem_gib": mem}
 
 
 def single(args) -> dict:
@@ -132,6 +141,9 @@ def multi(args) -> dict:
     import torch
     out, data, micro, steps = Path(args.out), Path(args.data), args.micro, args.steps
     res = {"device": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}", "micro_batch_per_gpu": micro}
+    for which in ("hf", "fastbert"):
+        res[f"bare_loop_{which}"] = hf_baseline(data, micro, which=which)
+        print(f"bare loop {which}:", res[f"bare_loop_{which}"], flush=True)
     res["1gpu_zero2"] = launch(out / "z2_1", data, 1, 2, steps, micro, micro, out / "log_z2_1.txt")
     res["2gpu_zero2"] = launch(out / "z2_2", data, 2, 2, steps, micro, 2 * micro, out / "log_z2_2.txt",
                                extra=["checkpoint.at_end=true"])
