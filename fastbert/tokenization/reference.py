@@ -529,8 +529,8 @@ def _cleanup(token: str) -> str:
 
 def _to_list(ids) -> list:
     if hasattr(ids, "tolist"):  # numpy array / torch tensor
-        return ids.tolist()
-    return list(ids)
+        ids = ids.tolist()
+    return [ids] if isinstance(ids, int) else list(ids)
 
 
 def _truncation_strategy(truncation) -> str | None:
