@@ -8,6 +8,7 @@ import importlib
 _LAZY = {
     "ReferenceTokenizer": "fastbert.tokenization.reference",
     "WordPieceTokenizer": "fastbert.tokenization.wordpiece",
+    "train_wordpiece_vocab": "fastbert.tokenization.vocab_trainer",
 }
 
 
@@ -32,4 +33,4 @@ def load_tokenizer(path, **kwargs):
     return cls(path, **kwargs)
 
 
-__all__ = ["ReferenceTokenizer", "WordPieceTokenizer", "load_tokenizer"]
+__all__ = ["ReferenceTokenizer", "WordPieceTokenizer", "load_tokenizer", "train_wordpiece_vocab"]
