@@ -83,7 +83,7 @@ def row_block(n_cols: int):
     """(BLOCK_M, BLOCK_N, num_warps) for a kernel that keeps whole rows of ``n_cols`` in registers:
     several short rows per program so each program moves ~4K elements (16-byte accesses, enough
     loads in flight), one long row with more warps for wide hidden sizes."""
-    block_n = triton.next_power_of_2(n_cols)
+    block_n = max(4, triton.next_power_of_2(n_cols))  # >= 4: dropout draws 4 columns per Philox call
     block_m = max(1, min(4096 // block_n, 16))
     num_warps = max(1, min(block_m * block_n // 512, 16))
     return block_m, block_n, num_warps
@@ -96,18 +96,38 @@ def num_sms(device: torch.device) -> int:
 
 
 # ----------------------------------------------------------------------------- dropout
+def drop_threshold(dropout_p: float) -> int:
+    """Dropout as an integer test on Philox's uint32 output: drop when bits < p * 2^32."""
+    return min(int(dropout_p * 2**32), 2**32 - 1)
+
+
 @triton.jit
-def dropout_keep(seed, rows, cols, n_cols, p):
-    """Keep-mask (True = kept) of shape (len(rows), len(cols)) for dropout probability ``p``."""
-    offsets = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
-    return tl.rand(seed, offsets) >= p
+def dropout_keep(seed, rows, col_start, n_cols, threshold, BLOCK_N: tl.constexpr):
+    """Keep-mask (True = kept) of shape (len(rows), BLOCK_N) for columns col_start + [0, BLOCK_N).
+
+    One Philox call yields four 32-bit numbers; each serves four consecutive columns (counter =
+    row * ceil(n_cols / 4) + col // 4), so a dropout kernel stays memory-bound instead of spending
+    its time in Philox rounds. ``col_start`` must be a multiple of 4 and BLOCK_N >= 4.
+    """
+    groups = col_start // 4 + tl.arange(0, BLOCK_N // 4)
+    counters = rows.to(tl.int64)[:, None] * ((n_cols + 3) // 4) + groups[None, :]
+    r0, r1, r2, r3 = tl.randint4x(seed, counters)
+    thr = threshold.to(tl.uint32)
+    k0 = (r0 >= thr).to(tl.int8)
+    k1 = (r1 >= thr).to(tl.int8)
+    k2 = (r2 >= thr).to(tl.int8)
+    k3 = (r3 >= thr).to(tl.int8)
+    # column 4j + k takes k_k[j]: interleave(interleave(k0, k2), interleave(k1, k3))
+    keep = tl.interleave(tl.interleave(k0, k2), tl.interleave(k1, k3))
+    return keep != 0
 
 
-@triton.jit(do_not_specialize=["seed"])
-def _dropout_mask_kernel(OUT, M, N, p, seed, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+@triton.jit(do_not_specialize=["seed", "threshold"])
+def _dropout_mask_kernel(OUT, M, N, threshold, seed, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    keep = dropout_keep(seed, rows, cols, N, p)
+    col_start = tl.program_id(1) * BLOCK_N
+    cols = col_start + tl.arange(0, BLOCK_N)
+    keep = dropout_keep(seed, rows, col_start, N, threshold, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     tl.store(OUT + rows.to(tl.int64)[:, None] * N + cols[None, :], keep.to(tl.int8), mask=mask)
 
@@ -117,5 +137,5 @@ def dropout_mask(seed: int, n_rows: int, n_cols: int, dropout_p: float, device) 
     out = torch.empty((n_rows, n_cols), dtype=torch.int8, device=device)
     check_triton_device(out)
     grid = (triton.cdiv(n_rows, 16), triton.cdiv(n_cols, 256))
-    _dropout_mask_kernel[grid](out, n_rows, n_cols, dropout_p, seed, BLOCK_M=16, BLOCK_N=256)
+    _dropout_mask_kernel[grid](out, n_rows, n_cols, drop_threshold(dropout_p), seed, BLOCK_M=16, BLOCK_N=256)
     return out.bool()

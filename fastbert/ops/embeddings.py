@@ -33,8 +33,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from fastbert.ops._common import (  # noqa: E402
-    check_dropout_p, check_hidden, check_triton_device, dropout_keep, num_sms, register_op, resolve_seed,
-    row_block)
+    check_dropout_p, check_hidden, check_triton_device, drop_threshold, dropout_keep, num_sms, register_op,
+    resolve_seed, row_block)
 
 # Token-type tables up to this many rows are reduced in registers; larger ones use atomics.
 _MAX_TYPES_IN_REGS = 8
@@ -53,9 +53,9 @@ def _gather_sum(IDS_W, IDS_P, IDS_T, WORD, POS, TYPE, rows, cols, row_mask, mask
     return s, wid, pid, tid
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit(do_not_specialize=["seed", "threshold"])
 def _emb_fwd_kernel(IDS_W, IDS_P, IDS_T, WORD, POS, TYPE, LN_W, LN_B, Y, MEAN, RSTD,
-                    M, N, stride_word, stride_pos, stride_type, eps, p, scale, seed,
+                    M, N, stride_word, stride_pos, stride_type, eps, threshold, scale, seed,
                     HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -73,14 +73,14 @@ def _emb_fwd_kernel(IDS_W, IDS_P, IDS_T, WORD, POS, TYPE, LN_W, LN_B, Y, MEAN, R
     b = tl.load(LN_B + cols, mask=col_mask, other=0.0).to(tl.float32)
     y = sc * rstd[:, None] * w[None, :] + b[None, :]
     if HAS_DROPOUT:
-        y = tl.where(dropout_keep(seed, rows, cols, N, p), y * scale, 0.0)
+        y = tl.where(dropout_keep(seed, rows, 0, N, threshold, BLOCK_N), y * scale, 0.0)
     tl.store(Y + rows.to(tl.int64)[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit(do_not_specialize=["seed", "threshold"])
 def _emb_bwd_kernel(DY, IDS_W, IDS_P, IDS_T, WORD, POS, TYPE, LN_W, MEAN, RSTD,
                     DWORD, DPOS, DTYPE, DTYPE_PART, DLNW_PART, DLNB_PART,
-                    M, N, rows_per_program, stride_word, stride_pos, stride_type, p, scale, seed, padding_idx,
+                    M, N, rows_per_program, stride_word, stride_pos, stride_type, threshold, scale, seed, padding_idx,
                     HAS_DROPOUT: tl.constexpr, HAS_PAD: tl.constexpr, TYPES_IN_REGS: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     prog = tl.program_id(0)
@@ -104,7 +104,7 @@ def _emb_bwd_kernel(DY, IDS_W, IDS_P, IDS_T, WORD, POS, TYPE, LN_W, MEAN, RSTD,
         xhat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
         dy = tl.load(DY + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_DROPOUT:
-            dy = tl.where(dropout_keep(seed, rows, cols, N, p), dy * scale, 0.0)
+            dy = tl.where(dropout_keep(seed, rows, 0, N, threshold, BLOCK_N), dy * scale, 0.0)
         wdy = dy * w[None, :]
         c1 = tl.sum(xhat * wdy, axis=1) / N
         c2 = tl.sum(wdy, axis=1) / N
@@ -143,7 +143,7 @@ def embeddings_fwd(input_ids, position_ids, token_type_ids, word_weight, positio
         _emb_fwd_kernel[(triton.cdiv(m, block_m),)](
             input_ids, position_ids, token_type_ids, word_weight, position_weight, type_weight, ln_weight,
             ln_bias, y, mean, rstd, m, n, word_weight.stride(0), position_weight.stride(0), type_weight.stride(0),
-            eps, dropout_p, 1.0 / (1.0 - dropout_p), seed,
+            eps, drop_threshold(dropout_p), 1.0 / (1.0 - dropout_p), seed,
             HAS_DROPOUT=dropout_p > 0.0, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     return y, mean, rstd
 
@@ -175,7 +175,7 @@ def embeddings_bwd(dy, input_ids, position_ids, token_type_ids, word_weight, pos
             dy, input_ids, position_ids, token_type_ids, word_weight, position_weight, type_weight, ln_weight,
             mean, rstd, dword, dpos, dtype_full, dtype_part, dlnw_part, dlnb_part,
             m, n, rows_per_program, word_weight.stride(0), position_weight.stride(0), type_weight.stride(0),
-            dropout_p, 1.0 / (1.0 - dropout_p), seed, padding_idx,
+            drop_threshold(dropout_p), 1.0 / (1.0 - dropout_p), seed, padding_idx,
             HAS_DROPOUT=dropout_p > 0.0, HAS_PAD=padding_idx >= 0, TYPES_IN_REGS=types_in_regs,
             BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     dtype = dtype_part.sum(0)[:n_types] if types_in_regs else dtype_full

@@ -185,3 +185,16 @@ def test_mixed_dtypes_like_autocast():
         torch.testing.assert_close(o.double(), r, rtol=2e-3, atol=2e-3)
     for k in dk:
         torch.testing.assert_close(dk[k].double(), dr[k].double(), rtol=2e-3, atol=2e-3)
+
+
+def test_dropout_mask_has_no_pattern():
+    """Each Philox call serves four adjacent columns: neighbours (same call, next call, next row)
+    must still be independent, and every column keeps about 1 - p."""
+    rows, n, p = 256, 203, 0.5
+    keep = dropout_mask(9, rows, n, p, DEVICE).float()
+    sigma = lambda count: 5 * (0.25 / count) ** 0.5  # noqa: E731
+    for a, b in ((keep[:, :-1], keep[:, 1:]), (keep[:, :-4], keep[:, 4:]), (keep[:-1], keep[1:])):
+        agree = (a == b).float().mean().item()
+        assert abs(agree - 0.5) < sigma(a.numel()), agree
+    per_col = keep.mean(0)
+    assert (per_col - (1 - p)).abs().max().item() < 5 * (0.25 / rows) ** 0.5
