@@ -87,13 +87,15 @@ void NormTable::build(const NormOptions& opts) {
     }
     uint32_t seq[16];
     int n = 0;
-    bool reorder = false;
+    bool keeps_nonstarter = false, nonstarter = false;
     if (opts.strip_accents) {
       uint32_t dec[4];
       int m = nfd.decompose(cp, dec);
       for (int k = 0; k < m; ++k) {
+        const bool ns = combining_class(dec[k]) != 0;
+        nonstarter |= ns;
         if (props[dec[k]] & kPropMark) continue;
-        reorder |= combining_class(dec[k]) != 0;
+        keeps_nonstarter |= ns;
         seq[n++] = dec[k];
       }
     } else {
@@ -117,7 +119,7 @@ void NormTable::build(const NormOptions& opts) {
     for (int k = 0; k < n; ++k) classes[k] = (props[seq[k]] & kPropPunct) ? kIsolated : kWord;
     const bool chinese = opts.chinese && (p & kPropChinese);
     if (chinese && n == 1) classes[0] = kIsolated;  // " X " is X on its own
-    const uint32_t flags = reorder ? kReorder : 0;
+    const uint32_t flags = (keeps_nonstarter ? kReorder : 0) | (nonstarter ? kNonStarter : 0);
     if (n == 1 && seq[0] == cp) {
       entries[cp] = kIdentity | (classes[0] << kClassShift) | flags;
       continue;

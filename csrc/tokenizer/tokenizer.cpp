@@ -11,23 +11,33 @@ namespace fastbert {
 struct Tokenizer::Scratch {
   // cap: characters kept per word; a longer word is [UNK], only its span matters.
   explicit Scratch(int64_t cap)
-      : cap(cap), bytes(4 * static_cast<size_t>(cap) + 8), orig(bytes.size()), r_cp(cap + 1), r_ccc(cap + 1),
-        r_orig(cap + 1) {}
+      : cap(cap), bytes(4 * static_cast<size_t>(cap) + 8), orig(bytes.size()), run_cp(16), run_key(16) {}
   int64_t cap;
   std::vector<uint8_t> bytes;   // the current word, normalized, UTF-8 (first max_chars characters)
   std::vector<int64_t> orig;    // original character index of each byte
-  std::vector<uint32_t> r_cp, r_ccc;  // canonical-reordering scratch
-  std::vector<int64_t> r_orig;
-  int64_t nb = 0, nchars = 0, nreorder = 0;
-  int64_t first = 0, last = 0;  // original index of the word's first and last normalized character
+  std::vector<uint32_t> run_cp, run_key;  // canonical-reordering runs
+  int64_t nb = 0, nchars = 0;
+  int64_t nkeep = 0, nmarks = 0;  // characters with kReorder / kNonStarter since the last word boundary
+  int64_t first = 0, last = 0;    // original index of the word's first and last normalized character
 
-  // Canonical reordering in place (wordpiece_core.h) when two characters of the word may need it.
+  // Canonical reordering in place (wordpiece_core.h) when the word keeps a non-starter that
+  // another non-starter may be sorted against.
   template <typename CharT>
-  void reorder(const NormTable& table, const CharT* s) {
-    if (nreorder < 2) return;
-    nb = reorder_word(table.view(), table.nfd_view(), [s](int64_t i) { return static_cast<uint32_t>(s[i]); },
-                      first, last, bytes.data(), orig.data(), r_cp.data(), r_ccc.data(), r_orig.data(),
-                      static_cast<int>(cap));
+  void reorder(const NormTable& table, const CharT* s, int64_t n) {
+    if (nkeep == 0 || nmarks < 2) return;
+    for (;;) {
+      const int r = reorder_word(table.view(), table.nfd_view(), [s](int64_t i) { return static_cast<uint32_t>(s[i]); },
+                                 0, n, first, last, bytes.data(), orig.data(), run_cp.data(), run_key.data(),
+                                 static_cast<int>(run_cp.size()));
+      if (r >= 0) {
+        nb = r;
+        first = orig[0];  // a whole-word [UNK] spans the moved characters' offsets, as in HF
+        last = orig[nb - 1];
+        return;
+      }
+      run_cp.resize(2 * run_cp.size());  // a longer run of marks than ever before
+      run_key.resize(run_cp.size());
+    }
   }
 };
 
@@ -36,7 +46,7 @@ struct Tokenizer::Emitter {
   const Tokenizer& tok;
   TokenSink& out;
   template <typename CharT>
-  void word(const CharT* s, Scratch& w) { tok.finish_word(s, w, out); }
+  void word(const CharT* s, int64_t n, Scratch& w) { tok.finish_word(s, n, w, out); }
   void ascii_isolated(uint8_t byte, int64_t i) { out.push(tok.ascii_piece_[byte], i, i + 1); }
   void special(int32_t id, int64_t i, int64_t len) { out.push(id, i, i + len); }
 };
@@ -46,8 +56,8 @@ struct Tokenizer::Collector {
   std::vector<PreToken>& out;
   const NormTable& table;
   template <typename CharT>
-  void word(const CharT* s, Scratch& w) {
-    w.reorder(table, s);
+  void word(const CharT* s, int64_t n, Scratch& w) {
+    w.reorder(table, s, n);
     out.push_back({std::string(reinterpret_cast<const char*>(w.bytes.data()), w.nb), w.first, w.last + 1});
   }
   void ascii_isolated(uint8_t byte, int64_t i) { out.push_back({std::string(1, static_cast<char>(byte)), i, i + 1}); }
@@ -94,13 +104,13 @@ int64_t Tokenizer::match_special(const CharT* s, int64_t n, int64_t i, int32_t* 
 }
 
 template <typename CharT>
-void Tokenizer::finish_word(const CharT* s, Scratch& w, TokenSink& out) const {
+void Tokenizer::finish_word(const CharT* s, int64_t n, Scratch& w, TokenSink& out) const {
   const int32_t unk = config_.unk_id;
   if (w.nchars > config_.max_input_chars_per_word) {
     out.push(unk, w.first, w.last + 1);
     return;
   }
-  w.reorder(*norm_, s);
+  w.reorder(*norm_, s, n);
   const int nb = static_cast<int>(w.nb);
   const int64_t base = out.size();
   const int64_t* orig = w.orig.data();
@@ -122,17 +132,19 @@ void Tokenizer::encode_chars(const CharT* s, int64_t n, Handler& handler, Scratc
   const bool special_nonascii = specials && special_nonascii_;
   uint8_t* bytes = w.bytes.data();
   int64_t* orig = w.orig.data();
-  int64_t nb = 0, nchars = 0, nreorder = 0;
+  int64_t nb = 0, nchars = 0, nkeep = 0, nmarks = 0;
   int64_t first = 0, last = 0;
   auto flush = [&]() {
-    if (nchars == 0) return;
-    w.nb = nb;
-    w.nchars = nchars;
-    w.nreorder = nreorder;
-    w.first = first;
-    w.last = last;
-    handler.word(s, w);
-    nb = nchars = nreorder = 0;
+    if (nchars > 0) {
+      w.nb = nb;
+      w.nchars = nchars;
+      w.nkeep = nkeep;
+      w.nmarks = nmarks;
+      w.first = first;
+      w.last = last;
+      handler.word(s, n, w);
+    }
+    nb = nchars = nkeep = nmarks = 0;
   };
   auto push = [&](uint32_t cp, int64_t i) {
     if (nchars == 0) first = i;
@@ -179,8 +191,9 @@ void Tokenizer::encode_chars(const CharT* s, int64_t n, Handler& handler, Scratc
     const uint32_t e = nv.lookup(cp);
     if (e & kIdentity) {
       const uint32_t klass = (e >> kClassShift) & 3;
+      nkeep += (e & kReorder) != 0;
+      nmarks += (e & kNonStarter) != 0;
       if (klass == kWord) {
-        nreorder += (e & kReorder) != 0;
         push(cp, i);
       } else if (klass == kSep) {
         flush();
@@ -192,7 +205,8 @@ void Tokenizer::encode_chars(const CharT* s, int64_t n, Handler& handler, Scratc
       continue;
     }
     if (e & kInvalid) throw EncodeError(i, cp);
-    nreorder += (e & kReorder) != 0;
+    nkeep += (e & kReorder) != 0;
+    nmarks += (e & kNonStarter) != 0;
     const uint32_t len = e & kLenMask, off = (e >> kOffsetShift) & kOffsetMask;
     for (uint32_t k = 0; k < len; ++k) {
       const uint32_t item = table.pool[off + k];

@@ -119,7 +119,7 @@ class Tokenizer {
   template <typename CharT>
   int64_t match_special(const CharT* s, int64_t n, int64_t i, int32_t* id) const;
   template <typename CharT>
-  void finish_word(const CharT* s, Scratch& w, TokenSink& out) const;
+  void finish_word(const CharT* s, int64_t n, Scratch& w, TokenSink& out) const;
   void write_row(const BatchTokens& tokens, int64_t a, int64_t b, int64_t len_a, int64_t len_b,
                  const PostOptions& post, int64_t* ids, int64_t* types, int64_t* offsets) const;
 

@@ -29,12 +29,13 @@ enum CharClass : uint32_t {
 // Table entry bits.
 constexpr uint32_t kIdentity = 1u << 31;   // output is the input character, class in bits 29-30
 constexpr uint32_t kClassShift = 29;
-constexpr uint32_t kReorder = 1u << 28;    // NFD leaves a non-starter: canonical ordering may apply
+constexpr uint32_t kReorder = 1u << 28;    // keeps a non-starter (combining class > 0) after strip_accents
 constexpr uint32_t kInvalid = 1u << 27;    // lone surrogate
 constexpr uint32_t kControl = 1u << 26;    // dropped by clean_text (before NFD: no effect on ordering)
+constexpr uint32_t kNonStarter = 1u << 25; // its NFD holds a non-starter, kept or stripped (strip_accents)
 constexpr uint32_t kLenMask = 0xF;         // non-identity: bits 0-3 = number of output characters,
-constexpr uint32_t kOffsetShift = 4;       //               bits 4-25 = offset into the pool
-constexpr uint32_t kOffsetMask = (1u << 22) - 1;
+constexpr uint32_t kOffsetShift = 4;       //               bits 4-24 = offset into the pool
+constexpr uint32_t kOffsetMask = (1u << 21) - 1;
 // Pool items: code point in bits 0-20, class in bits 21-22.
 constexpr uint32_t kPoolClassShift = 21;
 constexpr uint32_t kCpMask = (1u << 21) - 1;
@@ -122,63 +123,79 @@ FB_HD int utf8_length(uint32_t cp) { return cp < 0x80 ? 1 : cp < 0x800 ? 2 : cp 
 
 // ---------------------------------------------------------------------------------------------
 // Canonical reordering (rare). With strip_accents, HF applies NFD to the whole text, which sorts
-// runs of non-starters by combining class across character boundaries. The per-character table
-// cannot express that, so a word with two or more kReorder characters is normalized again here
-// from its original characters: same bytes, possibly permuted. `CharAt(i)` reads original
-// character i. `scratch_*` hold up to `capacity` surviving non-starters of one run. Writes the
-// word's normalized bytes to `bytes` and each byte's original character index to `orig`;
-// returns the byte count, or -1 if a run outgrows `capacity`.
+// each run of non-starters by combining class, across character boundaries. The per-character
+// table cannot express that, so a word that keeps a non-starter next to other non-starters
+// (kReorder, kNonStarter) is normalized again here from its original characters: same bytes,
+// possibly permuted. Offsets follow HF's alignment rule: in output order, the first element of
+// each character's decomposition takes the span of the next original character; the others take
+// the span of the last one taken (so a moved mark may carry its neighbour's offsets).
+// `char_at(i)` reads original character i of [begin, end); the word's normalized characters come
+// from [first, last], widened here to whole runs. The run buffers hold `capacity` non-starters.
+// Writes the word's bytes and each byte's original index; returns the byte count, or -1 if a run
+// outgrows `capacity`.
 // ---------------------------------------------------------------------------------------------
 template <class CharAt>
-FB_HD int reorder_word(const NormView& norm, const NfdView& nfd, CharAt char_at, int64_t first, int64_t last,
-                       uint8_t* bytes, int64_t* orig, uint32_t* scratch_cp, uint32_t* scratch_ccc,
-                       int64_t* scratch_orig, int capacity) {
+FB_HD int reorder_word(const NormView& norm, const NfdView& nfd, CharAt char_at, int64_t begin, int64_t end,
+                       int64_t first, int64_t last, uint8_t* bytes, int64_t* orig, uint32_t* run_cp,
+                       uint32_t* run_key, int capacity) {
+  auto is_control = [&](uint32_t cp) { return (norm.lookup(cp) & kControl) != 0; };
+  uint32_t dec[4];
+  auto only_nonstarters = [&](uint32_t cp) {
+    const int m = nfd.decompose(cp, dec);
+    for (int k = 0; k < m; ++k)
+      if (nfd.combining_class(dec[k]) == 0) return false;
+    return true;
+  };
+  int64_t lo = first, hi = last;  // widen to the runs the word's ends belong to
+  while (lo > begin && (is_control(char_at(lo - 1)) || only_nonstarters(char_at(lo - 1)))) --lo;
+  while (hi + 1 < end && (is_control(char_at(hi + 1)) || only_nonstarters(char_at(hi + 1)))) ++hi;
+
   int n = 0, run = 0;
-  auto put = [&](uint32_t cp, int64_t at) {
-    uint32_t e = norm.lookup(cp);  // cp is NFD-stable: entry = lowercase(cp), or nothing if it is Mn
+  int64_t cursor = lo - 1;  // the original character taken last
+  auto put = [&](uint32_t cp, bool takes_next) {
+    if (takes_next) {
+      do ++cursor; while (is_control(char_at(cursor)));
+    }
+    const int64_t at = cursor;
+    const uint32_t e = norm.lookup(cp);  // cp is NFD-stable: entry = lowercase(cp), or nothing if it is Mn
     if (e & kIdentity) {
-      int k = utf8_encode(cp, bytes + n);
+      const int k = utf8_encode(cp, bytes + n);
       for (int j = 0; j < k; ++j) orig[n + j] = at;
       n += k;
       return;
     }
-    uint32_t len = e & kLenMask, off = (e >> kOffsetShift) & kOffsetMask;
+    const uint32_t len = e & kLenMask, off = (e >> kOffsetShift) & kOffsetMask;
     for (uint32_t j = 0; j < len; ++j) {
-      int k = utf8_encode(norm.pool[off + j] & kCpMask, bytes + n);
+      const int k = utf8_encode(norm.pool[off + j] & kCpMask, bytes + n);
       for (int q = 0; q < k; ++q) orig[n + q] = at;
       n += k;
     }
   };
+  // run_key: combining class << 1 | (first element of its character's decomposition).
   auto flush = [&]() {
-    for (int j = 0; j < run; ++j) put(scratch_cp[j], scratch_orig[j]);
+    for (int j = 0; j < run; ++j) put(run_cp[j], run_key[j] & 1);
     run = 0;
   };
-  uint32_t dec[4];
-  for (int64_t i = first; i <= last; ++i) {
-    uint32_t cp = char_at(i);
-    if (norm.lookup(cp) & kControl) continue;  // removed before NFD
-    int m = nfd.decompose(cp, dec);
+  for (int64_t i = lo; i <= hi; ++i) {
+    const uint32_t cp = char_at(i);
+    if (is_control(cp)) continue;  // removed before NFD
+    const int m = nfd.decompose(cp, dec);
     for (int k = 0; k < m; ++k) {
-      uint32_t d = dec[k];
-      uint32_t ccc = nfd.combining_class(d);
+      const uint32_t d = dec[k], ccc = nfd.combining_class(d);
       if (ccc == 0) {
         flush();
-        put(d, i);
+        put(d, k == 0);
         continue;
       }
-      uint32_t e = norm.lookup(d);
-      if (!(e & kIdentity) && (e & kLenMask) == 0) continue;  // a stripped mark: ordering is moot
       if (run == capacity) return -1;
       int j = run++;  // stable insertion by combining class
-      while (j > 0 && scratch_ccc[j - 1] > ccc) {
-        scratch_cp[j] = scratch_cp[j - 1];
-        scratch_ccc[j] = scratch_ccc[j - 1];
-        scratch_orig[j] = scratch_orig[j - 1];
+      while (j > 0 && (run_key[j - 1] >> 1) > ccc) {
+        run_cp[j] = run_cp[j - 1];
+        run_key[j] = run_key[j - 1];
         --j;
       }
-      scratch_cp[j] = d;
-      scratch_ccc[j] = ccc;
-      scratch_orig[j] = i;
+      run_cp[j] = d;
+      run_key[j] = ccc << 1 | (k == 0 ? 1u : 0u);
     }
   }
   flush();
