@@ -1,0 +1,310 @@
+"""``fastbert tokenize``: text files -> token id arrays, streaming, with the C++ tokenizer on all cores.
+
+For each input file, ``OUT/<name>.npy`` holds the WordPiece ids of all its paragraphs back to back
+(no [CLS]/[SEP]; uint16 when the vocabulary has at most 65536 tokens, else int32), and
+``OUT/index.json`` lists every file with its token count and ``doc_offsets`` (where each document
+starts in the array, plus the end). Inputs are plain text (documents separated by blank lines, one
+sentence or paragraph per line) or WikiExtractor output (``<doc ...>`` blocks, the repeated title
+line dropped): the conventions of ``fastbert prepare``. .xz, .gz and .bz2 are read as they stream
+(detected from their first bytes). Each array is written to a temporary file and renamed when
+complete; index.json is written last.
+"""
+from __future__ import annotations
+
+import argparse
+import bz2
+import gzip
+import io
+import json
+import lzma
+import os
+import queue
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+
+_MAGIC = {b"\xfd7zXZ\x00": "xz", b"\x1f\x8b": "gzip", b"BZh": "bzip2"}
+_DOC_OPEN = re.compile(r'^<doc\b[^>]*>\s*$')
+_TITLE = re.compile(r'\btitle="([^"]*)"')
+_SUFFIXES = (".xz", ".gz", ".bz2", ".txt")
+_NPY_HEADER = 128  # bytes reserved for the .npy header, patched with the final length
+
+
+def add_parser(sub):
+    p = sub.add_parser("tokenize", help="tokenize text files into token id arrays (.npy) with the C++ tokenizer",
+                       description="Tokenize text files (plain or WikiExtractor, optionally .xz/.gz/.bz2) into one "
+                                   "array of WordPiece ids per file plus OUT/index.json with document offsets. "
+                                   "Streams each file; tokenizes on all cores.")
+    p.add_argument("--vocab", required=True, help="vocab.txt, or a tokenizer / checkpoint directory holding one")
+    p.add_argument("--input", required=True, nargs="+", metavar="FILE",
+                   help="input files or folders (searched recursively)")
+    p.add_argument("--out", required=True, help="output directory (created if missing)")
+    p.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=None,
+                   help="lowercase and strip accents (uncased vocabularies); default: from tokenizer_config.json, "
+                        "else guessed from the vocabulary")
+    p.add_argument("--threads", type=int, default=None, help="tokenizer threads (default: all cores)")
+    p.add_argument("--batch-mb", type=float, default=8.0, help="text per tokenizer call in MB (default 8)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args) -> int:
+    from fastbert.cli import UsageError
+
+    if args.threads is not None and args.threads < 1:
+        raise UsageError("--threads must be >= 1")
+    if args.batch_mb <= 0:
+        raise UsageError("--batch-mb must be > 0")
+    files = _input_files(args.input)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file; pass a directory")
+    tok, lowercase, vocab = _load_tokenizer(args.vocab, args.lowercase)
+    dtype = "uint16" if len(tok) <= 1 << 16 else "int32"
+    names = _output_names(files)
+    total_bytes = sum(f.stat().st_size for f in files)
+    bar = _progress(total_bytes, not args.no_progress)
+    start = time.perf_counter()
+    stats = {"text_bytes": 0, "tokens": 0}
+    entries = []
+    try:
+        for path, name in zip(files, names):
+            entries.append(_tokenize_file(tok, path, out, name, dtype, args, bar, stats, start))
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - start
+    index = {
+        "format": "fastbert-token-ids/1",
+        "vocab": str(vocab), "vocab_size": len(tok), "lowercase": lowercase, "dtype": dtype,
+        "special_tokens": {name: getattr(tok, name) for name in
+                           ("cls_token", "sep_token", "pad_token", "mask_token", "unk_token")},
+        "tokens": stats["tokens"], "text_bytes": stats["text_bytes"], "seconds": round(seconds, 3),
+        "files": entries,
+    }
+    from fastbert.io import atomic_write_text
+    atomic_write_text(out / "index.json", json.dumps(index, indent=1) + "\n")
+    rate = stats["text_bytes"] / max(seconds, 1e-9) / 1e6
+    print(f"tokenized {len(files)} file(s): {stats['text_bytes'] / 1e6:.1f} MB of text, {stats['tokens']:,} tokens "
+          f"in {seconds:.1f} s ({rate:.1f} MB/s) -> {out / 'index.json'}", file=sys.stderr)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs and outputs
+# ------------------------------------------------------------------------------------------------
+
+def _input_files(paths: list[str]) -> list[Path]:
+    from fastbert.cli import UsageError
+    files: list[Path] = []
+    for raw in paths:
+        p = Path(raw)
+        if p.is_file():
+            files.append(p)
+        elif p.is_dir():
+            found = sorted(f for f in p.rglob("*") if f.is_file()
+                           and not any(part.startswith(".") for part in f.relative_to(p).parts))
+            if not found:
+                raise UsageError(f"input folder {p} holds no files; pass text files (.txt, .xz, .gz, .bz2)")
+            files += found
+        else:
+            raise UsageError(f"input not found: {p}")
+    unique = list(dict.fromkeys(f.resolve() for f in files))
+    if not unique:
+        raise UsageError("no input files; pass --input FILE [FILE ...]")
+    return unique
+
+
+def _output_names(files: list[Path]) -> list[str]:
+    """File names with compression / .txt suffixes replaced by .npy; paths relative to the inputs'
+    common folder when two inputs share a name (AA/wiki_00, AB/wiki_00)."""
+    def strip(rel: str) -> str:
+        while rel.endswith(_SUFFIXES):
+            rel = rel[: rel.rfind(".")]
+        return rel
+
+    names = [strip(f.name) for f in files]
+    if len(set(names)) < len(names):
+        root = Path(os.path.commonpath([str(f.parent) for f in files]))
+        names = [strip(str(f.relative_to(root))) for f in files]
+    out, seen = [], set()
+    for rel in names:
+        name, k = rel + ".npy", 1
+        while name in seen:  # a.txt and a.xz side by side
+            k += 1
+            name = f"{rel}.{k}.npy"
+        seen.add(name)
+        out.append(name)
+    return out
+
+
+def _load_tokenizer(vocab_arg: str, lowercase):
+    from fastbert.cli import UsageError
+    from fastbert.tokenization.wordpiece import WordPieceTokenizer
+
+    vocab = Path(vocab_arg)
+    directory = vocab if vocab.is_dir() else vocab.parent
+    vocab_file = vocab / "vocab.txt" if vocab.is_dir() else vocab
+    if not vocab_file.is_file():
+        raise UsageError(f"vocab file not found: {vocab_file}; pass a BERT vocab.txt or a directory holding one")
+    config = directory / "tokenizer_config.json"
+    if lowercase is None and config.is_file():
+        try:
+            lowercase = json.loads(config.read_text(encoding="utf-8")).get("do_lower_case")
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{config} is not valid JSON ({e}); fix it or pass --lowercase / --no-lowercase") from None
+    if lowercase is None:  # uncased vocabularies hold no upper-case letters outside [SPECIAL] tokens
+        words = [t for t in vocab_file.read_text(encoding="utf-8").split("\n")
+                 if t and not (t.startswith("[") and t.endswith("]"))]
+        lowercase = sum(any(c.isupper() for c in t) for t in words) < 0.01 * max(1, len(words))
+    try:
+        if vocab.is_dir():
+            tok = WordPieceTokenizer.from_pretrained(vocab, lowercase=bool(lowercase))
+        else:
+            tok = WordPieceTokenizer(vocab_file, lowercase=bool(lowercase))
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from None
+    return tok, bool(lowercase), vocab_file
+
+
+def _open_text(path: Path):
+    """(raw binary file, text stream): compressed position for progress, decoded lines."""
+    raw = open(path, "rb")
+    head = raw.read(6)
+    raw.seek(0)
+    kind = next((k for magic, k in _MAGIC.items() if head.startswith(magic)), "plain")
+    stream = {"xz": lambda: lzma.LZMAFile(raw), "gzip": lambda: gzip.GzipFile(fileobj=raw),
+              "bzip2": lambda: bz2.BZ2File(raw), "plain": lambda: raw}[kind]()
+    return raw, io.TextIOWrapper(stream, encoding="utf-8", errors="strict"), kind
+
+
+def _paragraphs(text, path: Path):
+    """(paragraph, starts_document) for every non-empty line, in order (see the module docstring)."""
+    from fastbert.cli import UsageError
+    wiki = None
+    in_doc, title, new_doc, opened_at = False, None, True, 0
+    for n, line in enumerate(text, 1):
+        s = line.strip()
+        if wiki is None:
+            if not s:
+                continue
+            wiki = bool(_DOC_OPEN.match(s))
+        if not wiki:
+            if s:
+                yield s, new_doc
+                new_doc = False
+            else:
+                new_doc = True
+            continue
+        if not in_doc:
+            if _DOC_OPEN.match(s):
+                m = _TITLE.search(s)
+                in_doc, title, new_doc, opened_at = True, (m.group(1).strip() if m else None), True, n
+            elif s:
+                raise UsageError(f"{path}: line {n} is outside any <doc> ... </doc> block of this WikiExtractor "
+                                 f"file; the file is damaged (or mixes formats): fix or remove it")
+        elif s == "</doc>":
+            in_doc = False
+        elif _DOC_OPEN.match(s):
+            raise UsageError(f"{path}: <doc> at line {n} opens before the one at line {opened_at} is closed; "
+                             f"the file is damaged: fix or remove it")
+        elif s:
+            if new_doc and title is not None and s == title:
+                title = None  # WikiExtractor repeats the title as the first line
+                continue
+            title = None
+            yield s, new_doc
+            new_doc = False
+    if wiki and in_doc:
+        raise UsageError(f"{path}: <doc> opened at line {opened_at} is never closed (truncated file?); fix or remove it")
+
+
+def _batches(path: Path, batch_chars: int, errors: list):
+    """Background reader: yields (paragraphs, doc_start_flags, compressed_pos); errors go to `errors`."""
+    q: queue.Queue = queue.Queue(maxsize=2)
+
+    def read():
+        try:
+            raw, text, kind = _open_text(path)
+            with raw, text:
+                lines, starts, size = [], [], 0
+                for s, new_doc in _paragraphs(text, path):
+                    lines.append(s)
+                    starts.append(new_doc)
+                    size += len(s)
+                    if size >= batch_chars:
+                        q.put((lines, starts, raw.tell()))
+                        lines, starts, size = [], [], 0
+                q.put((lines, starts, raw.tell()))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+            errors.append(e)
+        finally:
+            q.put(None)
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    while (item := q.get()) is not None:
+        yield item
+    thread.join()
+
+
+def _tokenize_file(tok, path: Path, out: Path, name: str, dtype: str, args, bar, stats: dict, start: float) -> dict:
+    import numpy as np
+
+    from fastbert.cli import UsageError
+    from fastbert.io import atomic_path
+
+    errors: list = []
+    tokens = text_bytes = lines = 0
+    doc_offsets: list[int] = []
+    read_pos = 0
+    with atomic_path(out / name) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(b"\0" * _NPY_HEADER)
+            for batch, starts, pos in _batches(path, int(args.batch_mb * 1e6), errors):
+                if batch:
+                    ids, splits = tok.encode_flat(batch, num_threads=args.threads)
+                    for j in np.flatnonzero(np.asarray(starts)):
+                        doc_offsets.append(tokens + int(splits[j]))
+                    f.write(ids.astype(dtype, copy=False).tobytes())
+                    tokens += len(ids)
+                    lines += len(batch)
+                    batch_bytes = sum(len(s.encode("utf-8", "surrogatepass")) for s in batch)
+                    text_bytes += batch_bytes
+                    stats["text_bytes"] += batch_bytes
+                    stats["tokens"] += len(ids)
+                bar.update(pos - read_pos)
+                read_pos = pos
+                elapsed = max(time.perf_counter() - start, 1e-9)
+                bar.set_postfix_str(f"{stats['text_bytes'] / elapsed / 1e6:.1f} MB/s text, "
+                                    f"{stats['tokens'] / elapsed / 1e6:.2f} Mtok/s", refresh=False)
+            if errors:
+                e = errors[0]
+                if isinstance(e, UsageError):
+                    raise e
+                if isinstance(e, UnicodeDecodeError):
+                    raise UsageError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a block); convert it "
+                                     f"to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+                if isinstance(e, (lzma.LZMAError, gzip.BadGzipFile, EOFError, OSError)):
+                    raise UsageError(f"{path}: cannot read it ({e.__class__.__name__}: {e}); the file is corrupt or "
+                                     f"truncated: re-create it or leave it out") from None
+                raise e
+            f.seek(0)
+            f.write(_npy_header(dtype, tokens))
+    doc_offsets.append(tokens)
+    return {"input": str(path), "ids": name, "tokens": tokens, "text_bytes": text_bytes, "paragraphs": lines,
+            "documents": len(doc_offsets) - 1, "doc_offsets": doc_offsets}
+
+
+def _npy_header(dtype: str, length: int) -> bytes:
+    """A .npy (format 1.0) header of exactly _NPY_HEADER bytes for a 1-D little-endian array."""
+    descr = {"uint16": "<u2", "int32": "<i4"}[dtype]
+    text = f"{{'descr': '{descr}', 'fortran_order': False, 'shape': ({length},), }}"
+    body = text.ljust(_NPY_HEADER - 10 - 1) + "\n"
+    return b"\x93NUMPY\x01\x00" + len(body).to_bytes(2, "little") + body.encode("latin1")
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="tokenize", disable=not enabled,
+                dynamic_ncols=True, file=sys.stderr)
