@@ -141,24 +141,31 @@ def multi(args) -> dict:
     import torch
     out, data, micro, steps = Path(args.out), Path(args.data), args.micro, args.steps
     res = {"device": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}", "micro_batch_per_gpu": micro}
-    for which in ("hf", "fastbert"):
-        res[f"bare_loop_{which}"] = hf_baseline(data, micro, which=which)
-        print(f"bare loop {which}:", res[f"bare_loop_{which}"], flush=True)
-    res["1gpu_zero2"] = launch(out / "z2_1", data, 1, 2, steps, micro, micro, out / "log_z2_1.txt")
-    res["2gpu_zero2"] = launch(out / "z2_2", data, 2, 2, steps, micro, 2 * micro, out / "log_z2_2.txt",
-                               extra=["checkpoint.at_end=true"])
-    res["2gpu_zero3"] = launch(out / "z3_2", data, 2, 3, steps, micro, 2 * micro, out / "log_z3_2.txt")
-    one = res["1gpu_zero2"].get("seq_per_s")
+    parts = args.parts.split(",")
+    if "bare" in parts:
+        for which in ("hf", "fastbert"):
+            res[f"bare_loop_{which}"] = hf_baseline(data, micro, which=which)
+            print(f"bare loop {which}:", res[f"bare_loop_{which}"], flush=True)
+    if "z2_1" in parts:
+        res["1gpu_zero2"] = launch(out / "z2_1", data, 1, 2, steps, micro, micro, out / "log_z2_1.txt")
+    res["2gpu_zero2"] = launch(out / "z2_2", data, 2, 2, steps, micro, 2 * micro, out / "log_z2_2.txt")
+    if "resume" in parts and res["2gpu_zero2"].get("ok"):
+        resume_on_one(res, out, data, steps, micro)
+    if "z3_2" in parts:
+        res["2gpu_zero3"] = launch(out / "z3_2", data, 2, 3, steps, micro, 2 * micro, out / "log_z3_2.txt")
+    one = res.get("1gpu_zero2", {}).get("seq_per_s")
     for k in ("2gpu_zero2", "2gpu_zero3"):
         if one and res[k].get("ok"):
             res[k]["scaling_efficiency"] = res[k]["seq_per_s"] / (2 * one)
-    # Resume the 2-GPU ZeRO-2 checkpoint on 1 GPU (same global batch, accumulation 2).
-    if res["2gpu_zero2"].get("ok"):
-        shutil.copytree(out / "z2_2" / "checkpoints", out / "resume_1" / "checkpoints")
-        r = launch(out / "resume_1", data, 1, 2, steps + 10, micro, 2 * micro, out / "log_resume_1.txt")
-        r["previous_last_loss"] = res["2gpu_zero2"]["last_loss"]
-        res["resume_2_to_1"] = r
     return res
+
+
+def resume_on_one(res: dict, out: Path, data: Path, steps: int, micro: int) -> None:
+    """Resume the 2-GPU ZeRO-2 checkpoint on 1 GPU (same global batch, accumulation 2)."""
+    shutil.copytree(out / "z2_2" / "checkpoints", out / "resume_1" / "checkpoints")
+    r = launch(out / "resume_1", data, 1, 2, steps + 10, micro, 2 * micro, out / "log_resume_1.txt")
+    r["previous_last_loss"] = res["2gpu_zero2"].get("last_loss")
+    res["resume_2_to_1"] = r
 
 
 def main():
@@ -169,6 +176,8 @@ def main():
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--micro", type=int, default=128)
     p.add_argument("--both", action="store_true", help="single: time kernels=torch too")
+    p.add_argument("--parts", default="bare,z2_1,resume,z3_2",
+                   help="multi: which runs besides the 2-GPU ZeRO-2 one (bare, z2_1, resume, z3_2)")
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     res = single(args) if args.mode == "single" else multi(args)
