@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 
@@ -32,9 +33,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _strip_launcher_local_rank(argv: list[str]) -> list[str]:
+    """The ``deepspeed`` launcher passes ``--local_rank=N`` before the subcommand; move it to the
+    environment (where torchrun puts it) so ``deepspeed --module fastbert.cli pretrain ...`` works."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        name = arg.split("=", 1)[0]
+        if name in ("--local_rank", "--local-rank"):
+            value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "0")
+            os.environ.setdefault("LOCAL_RANK", value)
+            i += 1 if "=" in arg else 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_strip_launcher_local_rank(list(sys.argv[1:] if argv is None else argv)))
     if not getattr(args, "run", None):
         parser.print_help()
         return 2
@@ -52,4 +70,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run through the imported module so that `python -m fastbert.cli` and the subcommands share one
+    # UsageError class (under -m this file is also loaded as __main__).
+    from fastbert.cli import main as _main
+    sys.exit(_main())
