@@ -45,8 +45,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from fastbert.ops._common import (  # noqa: E402
-    INTERPRET, check_dropout_p, check_hidden, check_triton_device, drop_threshold, dropout_keep, num_sms,
-    register_op, resolve_seed, row_block)
+    check_dropout_p, check_hidden, check_triton_device, drop_threshold, dropout_keep, num_sms, register_op,
+    resolve_seed, row_block)
 
 
 @triton.jit
@@ -94,42 +94,16 @@ def _ln_fwd_kernel(X, RES, XB, W, B, Y, S, MEAN, RSTD,
     tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
-def _bwd_configs():
-    """(rows per step, warps, programs per SM). The backward is a loop over rows whose loads must
-    be in flight together: few wide programs or many narrow ones win depending on the width."""
-    if INTERPRET:
-        return [triton.Config({"BLOCK_M": 2, "PROGRAMS_PER_SM": 1}, num_warps=4)]
-    return [triton.Config({"BLOCK_M": bm, "PROGRAMS_PER_SM": pps}, num_warps=w)
-            for bm, w, pps in ((1, 4, 4), (1, 4, 8), (1, 8, 4), (2, 4, 4), (2, 8, 2), (4, 8, 2), (1, 16, 2),
-                               (8, 8, 2))]
-
-
-def _prune_bwd_configs(configs, named_args, **kwargs):
-    block_n = kwargs.get("BLOCK_N", named_args.get("BLOCK_N"))
-    keep = [c for c in configs
-            if 2 <= c.kwargs["BLOCK_M"] * block_n // (32 * c.num_warps) <= 32 and c.kwargs["BLOCK_M"] * block_n <= 8192]
-    return keep or configs[:1]
-
-
-def _bwd_programs(m, device, meta):
-    """Programs launched for ``m`` rows under a config's ``meta`` (BLOCK_M, PROGRAMS_PER_SM)."""
-    return max(1, min(triton.cdiv(m, meta["BLOCK_M"]), num_sms(device) * meta["PROGRAMS_PER_SM"]))
-
-
-@triton.autotune(configs=_bwd_configs(), key=["N", "HAS_DS", "HAS_RES", "HAS_XB", "HAS_DROPOUT", "STORE_DRES"],
-                 prune_configs_by={"early_config_prune": _prune_bwd_configs})
 @triton.jit(do_not_specialize=["seed", "threshold"])
 def _ln_bwd_kernel(DY, DS, X, RES, XB, W, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, DXB_PART,
-                   M, N, stride_dy, stride_ds, stride_x, stride_res, stride_dx, stride_dres,
+                   M, N, rows_per_program, stride_dy, stride_ds, stride_x, stride_res, stride_dx, stride_dres,
                    threshold, scale, seed,
                    HAS_DS: tl.constexpr, HAS_RES: tl.constexpr, HAS_XB: tl.constexpr,
                    HAS_DROPOUT: tl.constexpr, STORE_DRES: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr):
-    """Program p of P walks its share of the rows, BLOCK_M at a time, and writes its partial
-    column sums for dweight / dbias / dx_bias to row p of the *_PART buffers (summed on the
-    host: deterministic, no atomics)."""
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Each program walks ``rows_per_program`` rows, BLOCK_M at a time, and writes its partial
+    column sums for dweight / dbias / dx_bias (summed on the host: deterministic, no atomics)."""
     pid = tl.program_id(0)
-    rows_per_program = tl.cdiv(tl.cdiv(M, tl.num_programs(0)), BLOCK_M) * BLOCK_M
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -215,25 +189,25 @@ def layer_norm_bwd(dy, ds, x, residual, weight, bias, x_bias, mean, rstd, dropou
     store_dres = residual is not None and (dropout_p > 0.0 or residual.dtype != x.dtype)
     dres = torch.empty((m, n) if store_dres else (0,), dtype=residual.dtype if residual is not None else x.dtype,
                        device=x.device)
-    block_n = row_block(n)[1]
-    # Partial sums: one row per program, as many rows as the widest launch of the autotune space
-    # can have; only the launched programs' rows are summed.
-    most = max(_bwd_programs(m, x.device, c.kwargs) for c in _bwd_configs())
-    dw_part = torch.empty((most, n), dtype=torch.float32, device=x.device)
-    db_part = torch.empty((most, n), dtype=torch.float32, device=x.device)
-    dxb_part = torch.empty((most, n) if x_bias is not None else (0,), dtype=torch.float32, device=x.device)
-    programs = 0
+    block_m, block_n, num_warps = row_block(n)
+    block_m = max(1, block_m // 2)  # the backward holds more live tiles per row
+    programs = max(1, min(triton.cdiv(m, block_m), num_sms(x.device) * 2))
+    rows_per_program = triton.cdiv(triton.cdiv(max(m, 1), programs), block_m) * block_m
+    programs = max(1, triton.cdiv(m, rows_per_program))
+    dw_part = torch.empty((programs, n), dtype=torch.float32, device=x.device)
+    db_part = torch.empty((programs, n), dtype=torch.float32, device=x.device)
+    dxb_part = torch.empty((programs, n) if x_bias is not None else (0,), dtype=torch.float32, device=x.device)
     if m > 0:
-        _ln_bwd_kernel[lambda meta: (_bwd_programs(m, x.device, meta),)](
+        _ln_bwd_kernel[(programs,)](
             dy2, ds2, x2, res2, x_bias, weight, mean, rstd, dx, dres, dw_part, db_part, dxb_part,
-            m, n, dy2.stride(0), ds2.stride(0) if ds2 is not None else 0, x2.stride(0),
+            m, n, rows_per_program, dy2.stride(0), ds2.stride(0) if ds2 is not None else 0, x2.stride(0),
             res2.stride(0) if res2 is not None else 0, n, n,
             drop_threshold(dropout_p), 1.0 / (1.0 - dropout_p), seed,
             HAS_DS=ds2 is not None, HAS_RES=res2 is not None, HAS_XB=x_bias is not None,
-            HAS_DROPOUT=dropout_p > 0.0, STORE_DRES=store_dres, BLOCK_N=block_n)
-        programs = _bwd_programs(m, x.device, _ln_bwd_kernel.best_config.kwargs)
-    dw_part, db_part = dw_part[:programs], db_part[:programs]
-    dxb_part = dxb_part[:programs] if x_bias is not None else dxb_part
+            HAS_DROPOUT=dropout_p > 0.0, STORE_DRES=store_dres,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    else:
+        dw_part.zero_(), db_part.zero_(), dxb_part.zero_()
     dw = dw_part.sum(0).to(weight.dtype)
     db = db_part.sum(0).to(bias.dtype) if bias is not None else torch.empty((0,), dtype=weight.dtype, device=x.device)
     dxb = dxb_part.sum(0).to(x_bias.dtype) if x_bias is not None else torch.empty((0,), dtype=x.dtype, device=x.device)
