@@ -19,18 +19,11 @@ def linear_bias_gelu_ref(x, weight, bias, approximate="none"):
 # round trip through memory. With grad enabled the pre-activation is also stored (as eager torch
 # keeps it) for the backward, whose elementwise GELU derivative is one fused kernel that also
 # reduces d(bias); dgrad / wgrad are cuBLAS matmuls.
-import math  # noqa: E402
-
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from fastbert.ops._common import INTERPRET, autocast_dtype, check_triton_device, num_sms, register_op  # noqa: E402
-
-_SQRT1_2 = 1.0 / math.sqrt(2.0)
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-_SQRT_2_PI = math.sqrt(2.0 / math.pi)
-
 
 @triton.jit
 def _tanh(u):
@@ -42,7 +35,8 @@ def _tanh(u):
 
 @triton.jit
 def gelu(z, APPROX_TANH: tl.constexpr):
-    """GELU in fp32: exact ``z * Phi(z)`` or the tanh approximation."""
+    """GELU in fp32: exact ``z * Phi(z)`` (0.70710678 = 1/sqrt(2)) or the tanh approximation
+    (0.79788456 = sqrt(2/pi))."""
     if APPROX_TANH:
         t = _tanh(0.7978845608028654 * (z + 0.044715 * z * z * z))
         return 0.5 * z * (1.0 + t)
