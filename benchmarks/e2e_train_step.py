@@ -119,7 +119,7 @@ def first_loss(step_model, batch):
     return loss
 
 
-def run_contender(name, batches, hf_state, hcfg, fcfg, warmup, steps):
+def run_contender(name, batches, hf_state, hcfg, fcfg, warmup, steps, profile=False):
     model, step_model = build(name, hf_state, hcfg, fcfg)
     check = first_loss(step_model, batches[0])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01, fused=True)
@@ -145,6 +145,14 @@ def run_contender(name, batches, hf_state, hcfg, fcfg, warmup, steps):
     end.record()
     torch.cuda.synchronize()
     ms = start.elapsed_time(end) / steps
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for i in range(3):
+                step(batches[i % len(batches)])
+            torch.cuda.synchronize()
+        print(f"--- profile {name} (3 steps) ---")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
     res = dict(contender=name, ms_per_step=ms, check_loss=check, final_loss=float(loss), warmup_s=compile_s,
                peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30)
     del model, step_model, opt
@@ -163,6 +171,7 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--out", default=os.environ.get("OUT"))
+    p.add_argument("--profile", default="", help="comma-separated contenders to profile (torch profiler, 3 steps)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("e2e_train_step.py needs a CUDA device")
@@ -181,7 +190,8 @@ def main(argv=None):
     results = []
     for name in args.contenders.split(","):
         try:
-            r = run_contender(name, batches, hf_state, hcfg, fcfg, args.warmup, args.steps)
+            r = run_contender(name, batches, hf_state, hcfg, fcfg, args.warmup, args.steps,
+                              profile=name in args.profile.split(","))
         except Exception as e:  # report and go on: one broken contender must not hide the others
             print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
             continue
