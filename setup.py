@@ -3,16 +3,22 @@
 `fastbert._C` holds version/build information and the WordPiece tokenizer core; `fastbert._vocab`
 the vocabulary trainer. Set FASTBERT_DEBUG=1 for an unoptimized build.
 The tokenizer's Unicode tables are generated first (csrc/tokenizer/gen_unicode.py, from this
-Python's unicodedata) into the git-ignored csrc/tokenizer/generated/.
+Python's unicodedata) into the git-ignored csrc/tokenizer/generated/. `fastbert._C_cuda` (the GPU
+tokenizer, csrc/cuda) is built only when nvcc and a CUDA build of torch are present (FASTBERT_CUDA=0
+skips it; FASTBERT_CUDA_ARCH="80;90" picks the GPU architectures, default: the visible GPU's).
 """
 import os
 import re
+import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
+
+ParallelCompile("FASTBERT_BUILD_JOBS").install()  # C++ files compile in parallel (default: all cores)
 
 ROOT = Path(__file__).parent
 VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "fastbert" / "__init__.py").read_text()).group(1)
@@ -37,12 +43,54 @@ if any((ROOT / "csrc" / "vocab").glob("*.cpp")):
     ext_modules.append(cpp_extension("fastbert._vocab", "vocab"))
 
 
+def cuda_extension():
+    """fastbert._C_cuda from csrc/cuda/*.cu (compiled and linked by nvcc in BuildExt), or None and why."""
+    if os.environ.get("FASTBERT_CUDA", "1") == "0":
+        return None, "FASTBERT_CUDA=0"
+    try:
+        import torch
+    except ImportError:
+        return None, "torch is not installed"
+    if torch.version.cuda is None:
+        return None, f"torch {torch.__version__} has no CUDA"
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    nvcc = str(Path(home) / "bin" / "nvcc") if home else shutil.which("nvcc")
+    if not nvcc or not Path(nvcc).exists():
+        return None, "nvcc not found (set CUDA_HOME)"
+    arch = os.environ.get("FASTBERT_CUDA_ARCH")
+    if not arch:
+        arch = "".join(map(str, torch.cuda.get_device_capability())) if torch.cuda.is_available() else "80;90"
+    ext = Pybind11Extension("fastbert._C_cuda", [])
+    ext.nvcc = nvcc
+    ext.cuda_sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cuda").glob("*.cu"))
+    ext.cuda_arch = [a.strip() for a in arch.replace(",", ";").split(";") if a.strip()]
+    return ext, None
+
+
+ext, why_not = cuda_extension()
+if ext is not None:
+    ext_modules.append(ext)
+else:
+    print(f"fastbert: not building the CUDA tokenizer (fastbert._C_cuda): {why_not}", file=sys.stderr)
+
 
 class BuildExt(build_ext):
     def run(self):
         gen = ROOT / "csrc" / "tokenizer" / "gen_unicode.py"
         subprocess.run([sys.executable, str(gen), str(gen.parent / "generated" / "unicode_data.h")], check=True)
         super().run()
+
+    def build_extension(self, ext):
+        if not getattr(ext, "cuda_sources", None):
+            return super().build_extension(ext)
+        # nvcc compiles and links (CUDA runtime linked statically: no library path to get right).
+        import pybind11
+        target = self.get_ext_fullpath(ext.name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ext.cuda_arch]
+        subprocess.run([ext.nvcc, *ext.cuda_sources, "-o", target, "-shared", "-std=c++17", "-O3",
+                        "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC", f"-I{pybind11.get_include()}",
+                        f"-I{sysconfig.get_paths()['include']}", *gencode], check=True)
 
 
 setup(version=VERSION, ext_modules=ext_modules, cmdclass={"build_ext": BuildExt})

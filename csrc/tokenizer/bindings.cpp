@@ -16,6 +16,8 @@
 namespace py = pybind11;
 using namespace fastbert;
 
+void register_gpu_emulation(py::module_& m);  // gpu_emulation.cpp
+
 namespace {
 
 py::dict build_info() {
@@ -276,6 +278,81 @@ py::tuple encode_flat(const Tokenizer& tok, const py::handle& texts_in, int num_
   return py::make_tuple(ids, splits);
 }
 
+// --- for the batched GPU path (fastbert/tokenization/_cuda.py) ---------------------------------
+
+// Where each text's code units go in one buffer: (seg_byte, seg_kind, seg_char, total_bytes).
+// Segments are the texts, then the pairs; each starts 4-byte aligned.
+// Texts then pairs as TextRefs (type-checked); `keep` holds the tuples that keep them alive.
+std::vector<TextRef> segment_refs(const py::handle& texts_in, const py::handle& pairs_in, std::vector<py::tuple>& keep) {
+  keep.push_back(as_tuple(texts_in, "texts"));
+  const Py_ssize_t n = static_cast<Py_ssize_t>(py::len(keep[0]));
+  std::vector<TextRef> refs;
+  for (Py_ssize_t i = 0; i < n; ++i) refs.push_back(text_ref(keep[0][i].ptr(), "texts", i));
+  if (!pairs_in.is_none()) {
+    keep.push_back(as_tuple(pairs_in, "text_pairs"));
+    if (static_cast<Py_ssize_t>(py::len(keep[1])) != n)
+      throw py::value_error("texts and text_pairs differ in length (" + std::to_string(n) + " != " +
+                            std::to_string(py::len(keep[1])) + ")");
+    for (Py_ssize_t i = 0; i < n; ++i) refs.push_back(text_ref(keep[1][i].ptr(), "text_pairs", i));
+  }
+  return refs;
+}
+
+py::tuple text_layout(const py::handle& texts_in, const py::handle& pairs_in) {
+  std::vector<py::tuple> keep;
+  const std::vector<TextRef> refs = segment_refs(texts_in, pairs_in, keep);
+  const py::ssize_t n = static_cast<py::ssize_t>(refs.size());
+  py::array_t<int64_t> seg_byte(n), seg_char(n + 1);
+  py::array_t<int32_t> seg_kind(n);
+  int64_t bytes = 0, chars = 0;
+  for (py::ssize_t s = 0; s < n; ++s) {
+    seg_byte.mutable_data()[s] = bytes;
+    seg_kind.mutable_data()[s] = refs[s].kind;
+    seg_char.mutable_data()[s] = chars;
+    bytes += (refs[s].length * refs[s].kind + 3) & ~int64_t(3);
+    chars += refs[s].length;
+  }
+  seg_char.mutable_data()[n] = chars;
+  return py::make_tuple(seg_byte, seg_kind, seg_char, bytes);
+}
+
+// Copies every text's code units into `out` (uint8, as laid out by text_layout) on the thread pool.
+void pack_texts(const py::handle& texts_in, const py::handle& pairs_in, py::array_t<uint8_t> out,
+                py::array_t<int64_t> seg_byte) {
+  std::vector<py::tuple> keep;
+  const std::vector<TextRef> refs = segment_refs(texts_in, pairs_in, keep);
+  if (seg_byte.size() != static_cast<py::ssize_t>(refs.size())) throw py::value_error("seg_byte does not match the texts");
+  uint8_t* dst = out.mutable_data();
+  const int64_t* at = seg_byte.data();
+  const int64_t capacity = out.size();
+  for (size_t s = 0; s < refs.size(); ++s)
+    if (at[s] + refs[s].length * refs[s].kind > capacity) throw py::value_error("pack_texts: buffer too small");
+  py::gil_scoped_release release;
+  const int64_t per_task = 1024;
+  const int64_t tasks = (static_cast<int64_t>(refs.size()) + per_task - 1) / per_task;
+  ThreadPool::instance().run(tasks, ThreadPool::hardware_threads(), [&](int64_t t) {
+    for (int64_t s = t * per_task; s < std::min<int64_t>((t + 1) * per_task, static_cast<int64_t>(refs.size())); ++s)
+      std::memcpy(dst + at[s], refs[s].data, refs[s].length * refs[s].kind);
+  });
+}
+
+// HF truncation on token counts per segment: (len_a, len_b, total) per row.
+py::tuple row_layout_py(py::array_t<int64_t> seg_count, int64_t rows, bool has_pairs, bool add_special_tokens,
+                        int64_t max_length, const std::string& truncation) {
+  if (seg_count.size() != (has_pairs ? 2 * rows : rows)) throw py::value_error("seg_count does not match the rows");
+  PostOptions post;
+  post.add_special_tokens = add_special_tokens;
+  post.max_length = max_length;
+  post.strategy = parse_strategy(truncation);
+  std::vector<int64_t> first(rows), second(rows, -1);
+  for (int64_t r = 0; r < rows; ++r) {
+    first[r] = r;
+    if (has_pairs) second[r] = rows + r;
+  }
+  const RowLayout layout = row_layout(seg_count.data(), first, second, post);
+  return py::make_tuple(copy_array(layout.len_a), copy_array(layout.len_b), copy_array(layout.total));
+}
+
 // Every table the tokenizer runs on, as NumPy copies: the CUDA path uploads these.
 py::dict tables(const Tokenizer& tok) {
   const NormTable& n = tok.norm();
@@ -309,6 +386,14 @@ PYBIND11_MODULE(_C, m) {
   m.attr("__version__") = FASTBERT_VERSION;
   m.def("build_info", &build_info, "Return a dict describing how this extension was built.");
   m.def("hardware_threads", &ThreadPool::hardware_threads, "Number of hardware threads (the default thread count).");
+  m.def("text_layout", &text_layout, py::arg("texts"), py::arg("pairs"),
+        "GPU path: (seg_byte, seg_kind, seg_char, total_bytes) of texts then pairs in one buffer.");
+  m.def("pack_texts", &pack_texts, py::arg("texts"), py::arg("pairs"), py::arg("out"), py::arg("seg_byte"),
+        "GPU path: copy the texts' code units into `out` as laid out by text_layout.");
+  m.def("row_layout", &row_layout_py, py::arg("seg_count"), py::arg("rows"), py::arg("has_pairs"),
+        py::arg("add_special_tokens"), py::arg("max_length"), py::arg("truncation"),
+        "GPU path: HF truncation on token counts: (len_a, len_b, total) per row.");
+  register_gpu_emulation(m);
 
   py::class_<Tokenizer>(m, "WordPieceCore",
                         "BERT normalization + pre-tokenization + WordPiece (LinMaxMatch) over a vocabulary, "

@@ -344,14 +344,19 @@ void truncate_lengths(int64_t& a, int64_t& b, int64_t budget, PostOptions::Strat
 
 RowLayout Tokenizer::layout(const BatchTokens& tokens, const std::vector<int64_t>& first,
                             const std::vector<int64_t>& second, const PostOptions& post) const {
+  return row_layout(tokens.seg_count.data(), first, second, post);
+}
+
+RowLayout row_layout(const int64_t* seg_count, const std::vector<int64_t>& first, const std::vector<int64_t>& second,
+                     const PostOptions& post) {
   const int64_t rows = static_cast<int64_t>(first.size());
   RowLayout out;
   out.len_a.resize(rows);
   out.len_b.resize(rows);
   out.total.resize(rows);
   for (int64_t r = 0; r < rows; ++r) {
-    int64_t a = tokens.seg_count[first[r]];
-    int64_t b = second[r] >= 0 ? tokens.seg_count[second[r]] : -1;
+    int64_t a = seg_count[first[r]];
+    int64_t b = second[r] >= 0 ? seg_count[second[r]] : -1;
     const int64_t n_special = post.add_special_tokens ? (b >= 0 ? 3 : 2) : 0;
     if (post.strategy != PostOptions::kNone && post.max_length >= 0) {
       const int64_t budget = post.max_length - n_special;

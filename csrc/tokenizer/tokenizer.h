@@ -81,6 +81,10 @@ struct RowLayout {
   int64_t longest = 0;
 };
 
+// Row lengths after HF truncation, from each segment's token count.
+RowLayout row_layout(const int64_t* seg_count, const std::vector<int64_t>& first, const std::vector<int64_t>& second,
+                     const PostOptions& post);
+
 class Tokenizer {
  public:
   Tokenizer(const std::vector<std::string>& vocab, const TokenizerConfig& config);

@@ -134,9 +134,9 @@ FB_HD int utf8_length(uint32_t cp) { return cp < 0x80 ? 1 : cp < 0x800 ? 2 : cp 
 // Writes the word's bytes and each byte's original index; returns the byte count, or -1 if a run
 // outgrows `capacity`.
 // ---------------------------------------------------------------------------------------------
-template <class CharAt>
+template <class CharAt, typename OrigT>
 FB_HD int reorder_word(const NormView& norm, const NfdView& nfd, CharAt char_at, int64_t begin, int64_t end,
-                       int64_t first, int64_t last, uint8_t* bytes, int64_t* orig, uint32_t* run_cp,
+                       int64_t first, int64_t last, uint8_t* bytes, OrigT* orig, uint32_t* run_cp,
                        uint32_t* run_key, int capacity) {
   auto is_control = [&](uint32_t cp) { return (norm.lookup(cp) & kControl) != 0; };
   uint32_t dec[4];
@@ -156,7 +156,7 @@ FB_HD int reorder_word(const NormView& norm, const NfdView& nfd, CharAt char_at,
     if (takes_next) {
       do ++cursor; while (is_control(char_at(cursor)));
     }
-    const int64_t at = cursor;
+    const OrigT at = static_cast<OrigT>(cursor);
     const uint32_t e = norm.lookup(cp);  // cp is NFD-stable: entry = lowercase(cp), or nothing if it is Mn
     if (e & kIdentity) {
       const int k = utf8_encode(cp, bytes + n);

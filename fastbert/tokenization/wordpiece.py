@@ -248,7 +248,8 @@ class WordPieceTokenizer:
                     truncation=strategy, padding=padding, pad_to_multiple_of=int(pad_to_multiple_of or 0),
                     return_offsets=bool(return_offsets), cls_id=cls_id, sep_id=sep_id, pad_id=pad_id)
         if device is not None and _is_cuda(device):
-            return self._cuda_path().encode_batch(texts, text_pairs, device=device, **args)
+            enc = self._cuda_path().encode_batch(texts, text_pairs, device=device, **args)
+            return _as_tensors(enc, return_tensors) if return_tensors is not None else enc
         enc = self._core.encode_batch(texts, text_pairs, num_threads=int(num_threads or 0), **args)
         if padding == "none":
             splits = enc.pop("row_splits")
@@ -259,10 +260,19 @@ class WordPieceTokenizer:
             enc = _as_tensors(enc, return_tensors, device)
         return {key: enc[key] for key in ("input_ids", "token_type_ids", "attention_mask", "offsets") if key in enc}
 
-    def encode_flat(self, texts: list[str], num_threads: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def encode_flat(self, texts: list[str], num_threads: int | None = None, device=None):
         """Token ids of every text back to back, without special tokens, and ``row_splits``
         (len(texts) + 1 int64): text i is ``ids[row_splits[i]:row_splits[i + 1]]``. The fastest path,
-        for corpus preparation."""
+        for corpus preparation. NumPy (ids int32), or with ``device="cuda"`` torch tensors on the GPU
+        (ids int64)."""
+        if num_threads is not None and int(num_threads) < 1:
+            raise ValueError(f"num_threads must be >= 1 (or None for all cores), got {num_threads}")
+        if device is not None and _is_cuda(device):
+            enc = self._cuda_path().encode_batch(
+                texts, None, device=device, add_special_tokens=False, max_length=-1, truncation="none",
+                padding="none", pad_to_multiple_of=0, return_offsets=False, cls_id=-1, sep_id=-1, pad_id=0,
+                split_rows=False)
+            return enc["input_ids"], enc["row_splits"]
         return self._core.encode_flat(texts, int(num_threads or 0))
 
     def _cuda_path(self):
@@ -382,18 +392,24 @@ def _is_cuda(device) -> bool:
 
 
 def _as_tensors(enc: dict, kind: str, device=None) -> dict:
+    """NumPy arrays ("np") or torch tensors ("pt", moved to ``device``); rows of a ragged list must be
+    of one length."""
     if kind not in ("np", "pt"):
         raise ValueError(f"return_tensors must be None, 'np' or 'pt', got {kind!r}")
     out = {}
     for key, value in enc.items():
-        if hasattr(value, "device") and hasattr(value, "cpu"):  # already a torch tensor (GPU path)
-            out[key] = value.cpu().numpy() if kind == "np" else value
-            continue
         if isinstance(value, list):
             if len({len(row) for row in value}) > 1:
                 raise ValueError(f"return_tensors={kind!r} needs rows of equal length; pass padding=True "
                                  f"or padding='max_length'")
-            value = np.stack(value) if value else np.zeros((0, 0), dtype=np.int64)
+            if value and hasattr(value[0], "cpu"):  # torch tensors from the GPU path
+                import torch
+                value = torch.stack(value)
+            else:
+                value = np.stack(value) if value else np.zeros((0, 0), dtype=np.int64)
+        if hasattr(value, "cpu"):  # a torch tensor
+            out[key] = value.cpu().numpy() if kind == "np" else value
+            continue
         if kind == "pt":
             import torch
             value = torch.from_numpy(value)

@@ -460,6 +460,70 @@ def test_bad_input(tmp_path, uncased):
         WordPieceTokenizer(no_cls, max_input_chars_per_word=0)
 
 
+# ----------------------------------------------------------------------------------------------
+# The GPU pipeline's kernels, emulated on the CPU (tests/tokenization/test_wordpiece_gpu.py runs
+# them on a GPU)
+# ----------------------------------------------------------------------------------------------
+
+GPU_CASES = [
+    dict(padding=True),
+    dict(padding=False),
+    dict(padding="max_length", max_length=24, truncation=True),
+    dict(padding="longest", max_length=9, truncation="longest_first", pad_to_multiple_of=8),
+    dict(padding=False, add_special_tokens=False, truncation=False),
+]
+GPU_TRICKY = ["", " ", "a[SEP]b[CLS] [MASK]x [UNK]", "\u0300\U0001D16D z", "x\U0001D16D\u0301\U0001D165y",
+              "\x00ctrl\u200b zero \U0001F600 \U00020000\u4E2D \uAC00", "word " * 60 + "x" * 150]
+
+
+def gpu_path_equals_cpu(tok, gpu, texts, pairs, device, **kwargs):
+    """encode_batch on the GPU pipeline (real or emulated) equals the CPU path, every key, every row."""
+    import torch
+    cpu = tok.encode_batch(texts, pairs, return_offsets=True, **kwargs)
+    args = dict(add_special_tokens=kwargs.get("add_special_tokens", True), return_offsets=True)
+    from fastbert.tokenization.wordpiece import _padding_mode, _truncation_strategy
+    strategy = _truncation_strategy(kwargs.get("truncation", True))
+    padding = _padding_mode(kwargs.get("padding", False))
+    max_length = tok._resolve_max_length(kwargs.get("max_length"), strategy, padding)
+    got = gpu.encode_batch(texts, pairs, device, max_length=-1 if max_length is None else max_length,
+                           truncation=strategy, padding=padding, pad_to_multiple_of=kwargs.get("pad_to_multiple_of") or 0,
+                           cls_id=tok.cls_token_id, sep_id=tok.sep_token_id, pad_id=tok.pad_token_id, **args)
+    assert set(got) == set(cpu)
+    for key in cpu:
+        if isinstance(cpu[key], list):
+            assert len(got[key]) == len(cpu[key])
+            for a, b in zip(cpu[key], got[key]):
+                assert isinstance(b, torch.Tensor) and b.device.type == torch.device(device).type
+                np.testing.assert_array_equal(a, b.cpu().numpy(), err_msg=key)
+        else:
+            np.testing.assert_array_equal(cpu[key], got[key].cpu().numpy(), err_msg=key)
+
+
+@pytest.mark.parametrize("index", range(len(CONFIGS)), ids=CONFIG_IDS)
+def test_gpu_pipeline_emulated_equals_cpu(index, data_dir, corpus):
+    from fastbert.tokenization._cuda import CudaWordPiece
+    name, opts = CONFIGS[index]
+    tok = WordPieceTokenizer(data_dir / "vocab" / name / "vocab.txt", **opts)
+    gpu = CudaWordPiece(tok, emulate=True)
+    texts = corpus[index::7][:1500] + GPU_TRICKY
+    pairs = corpus[index + 3::7][:len(texts)]
+    for i, kwargs in enumerate(GPU_CASES):
+        gpu_path_equals_cpu(tok, gpu, texts, pairs if i % 2 else None, "cpu", **kwargs)
+    gpu_path_equals_cpu(tok, gpu, [], None, "cpu", padding=True)
+
+
+def test_gpu_pipeline_emulated_errors(uncased):
+    from fastbert.tokenization._cuda import CudaWordPiece
+    gpu = CudaWordPiece(uncased, emulate=True)
+    args = dict(add_special_tokens=True, max_length=-1, truncation="none", padding="longest", pad_to_multiple_of=0,
+                return_offsets=False, cls_id=101, sep_id=102, pad_id=0)
+    with pytest.raises(ValueError, match=r"text_pairs\[1\] contains a lone surrogate U\+DC00 at character 2"):
+        gpu.encode_batch(["a", "b"], ["ok", "xy\udc00"], "cpu", **args)
+    with pytest.raises(ValueError, match="can overlap"):
+        CudaWordPiece._check_specials(["[AB]", "B]x"])
+    CudaWordPiece._check_specials(["[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]"])
+
+
 def test_cuda_unavailable_message(uncased):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
