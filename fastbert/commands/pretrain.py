@@ -27,6 +27,9 @@ def _add_arguments(p):
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="config overrides, e.g. train.max_steps=1000 data.dir=/scratch/wiki (values parsed as JSON)")
     p.add_argument("--output-dir", default=None, help="same as output_dir=PATH")
+    p.add_argument("--deterministic", action="store_true",
+                   help="same seed + same hardware -> bit-identical loss curve (train.deterministic=true; slower on "
+                        "GPUs: deterministic kernels, reference embedding backward)")
     # Launchers add these; ranks come from the environment, so they are accepted and ignored.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="(set by launchers)")
 
@@ -40,8 +43,17 @@ def run(args) -> int:
     overrides = list(args.overrides)
     if args.output_dir:
         overrides.append(f"output_dir={json.dumps(args.output_dir)}")
+    if args.deterministic:
+        overrides.append("train.deterministic=true")
     cfg = load_config(args.config, overrides)
-    summary = run_pretraining(cfg)
+    try:
+        summary = run_pretraining(cfg)
+    except RuntimeError as e:
+        message = known_failure(e)
+        if message is None:
+            raise
+        # The CLI prints ValueErrors as one "error:" line with exit status 1.
+        raise ValueError(message) from None
     import os
     ev = summary.get("eval") or {}
     if ev and int(os.environ.get("RANK", "0")) == 0:
@@ -62,6 +74,13 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"fastbert pretrain: error: {e}", file=sys.stderr)
         return 1
+
+
+def known_failure(e: BaseException):
+    """The one-line message for failures fastbert diagnoses itself (preflight, guard), else None."""
+    from fastbert.training.guard import GuardError
+    from fastbert.training.preflight import PreflightError
+    return str(e) if isinstance(e, (GuardError, PreflightError)) else None
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Checkpoints: DeepSpeed state + per-rank RNG/data state, a completion marker, ``latest``, retention.
+"""Checkpoints: DeepSpeed state + per-rank RNG/data state, consolidated HF weights, a manifest, a
+completion marker, ``latest``, retention.
 
 Layout of ``<dir>``::
 
@@ -6,12 +7,18 @@ Layout of ``<dir>``::
         mp_rank_00_model_states.pt     DeepSpeed (model, client state)
         *_optim_states.pt              DeepSpeed (ZeRO partitions of the optimizer)
         fastbert_rank00000.pt          this rank's RNG states and loader position (torch.save)
-        fastbert_complete.json         written LAST, atomically, by rank 0 after every rank finished
+        hf/                            HF-loadable weights (config.json, model.safetensors, vocab.txt):
+                                       fine-tune from here, no conversion step (written atomically)
+        manifest.json                  config, seed, versions, git commit, hardware, throughput
+        fastbert_complete.json         written LAST, atomically, by rank 0 after every rank finished;
+                                       holds "good" (finite weights, no guard failure streak) and the
+                                       SHA-256 of the weights (checked again on resume)
     latest                             tag of the newest COMPLETE checkpoint (atomic rename)
 
 A crash in the middle of a save leaves a tag without ``fastbert_complete.json``: it is never loaded
 and is removed by the next successful save. Retention keeps the ``keep`` newest complete checkpoints
-and never deletes the newest complete one. Assumes ``<dir>`` is on a file system shared by all nodes.
+AND the newest good one, so the checkpoint a rollback needs is never deleted. Assumes ``<dir>`` is on
+a file system shared by all nodes.
 """
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -55,6 +62,26 @@ def complete_tags(ckpt_dir: Path) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def read_marker(ckpt_dir, tag: str) -> dict:
+    return json.loads((Path(ckpt_dir) / tag / MARKER).read_text())
+
+
+def is_good(ckpt_dir, tag: str) -> bool:
+    """Checkpoints written before the "good" field existed count as good."""
+    try:
+        return bool(read_marker(ckpt_dir, tag).get("good", True))
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def find_latest_good(ckpt_dir) -> Optional[str]:
+    """Tag of the newest complete checkpoint marked good (the rollback target), else None."""
+    for _, tag in reversed(complete_tags(ckpt_dir)):
+        if is_good(ckpt_dir, tag):
+            return tag
+    return None
+
+
 def find_latest(ckpt_dir) -> Optional[str]:
     """Tag of the newest complete checkpoint (``latest`` if it names a complete one), else None."""
     ckpt_dir = Path(ckpt_dir)
@@ -83,8 +110,11 @@ def restore_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(engine: TrainEngine, ckpt_dir, step: int, client_state: dict, rank_state: dict,
-                    keep: int = 2, info: Optional[dict] = None) -> Path:
-    """Collective: every rank must call it. Returns the tag directory."""
+                    keep: int = 2, info: Optional[dict] = None,
+                    extra: Optional[Callable[[Path], None]] = None) -> Path:
+    """Collective: every rank must call it. ``extra(tag_dir)`` runs on every rank once the DeepSpeed
+    and rank files are complete and before the marker (HF weights, manifest). ``info`` goes into the
+    marker. Returns the tag directory."""
     ckpt_dir = Path(ckpt_dir)
     tag = tag_for(step)
     tag_dir = ckpt_dir / tag
@@ -98,6 +128,9 @@ def save_checkpoint(engine: TrainEngine, ckpt_dir, step: int, client_state: dict
     with atomic_path(rank_file(tag_dir, rank)) as tmp:
         torch.save(rank_state, tmp)
     barrier()
+    if extra is not None:
+        extra(tag_dir)
+        barrier()
     if rank == 0:
         marker = {"step": step, "tag": tag, "world_size": engine.dist.world_size, "time": time.time(),
                   **(info or {})}
@@ -109,14 +142,15 @@ def save_checkpoint(engine: TrainEngine, ckpt_dir, step: int, client_state: dict
 
 
 def apply_retention(ckpt_dir: Path, keep: int) -> list[str]:
-    """Delete complete checkpoints beyond the ``keep`` newest (never the newest) and incomplete ones
-    older than the newest complete one. Returns the removed tags."""
+    """Delete complete checkpoints beyond the ``keep`` newest, except the newest GOOD one, and
+    incomplete ones older than the newest complete one. Returns the removed tags."""
     keep = max(1, int(keep))
     tags = complete_tags(ckpt_dir)
     if not tags:
         return []
     newest = tags[-1][0]
-    removed = [t for _, t in tags[:-keep]]
+    good = find_latest_good(ckpt_dir)
+    removed = [t for _, t in tags[:-keep] if t != good]
     for p in Path(ckpt_dir).iterdir():
         m = TAG_RE.match(p.name)
         if m and p.is_dir() and not (p / MARKER).is_file() and int(m.group(1)) < newest:

@@ -44,10 +44,21 @@ DEFAULTS: dict = {
         "deepspeed": None,           # DeepSpeed JSON (ZeRO, offload); None = ZeRO stage train.zero_stage
         "zero_stage": None,          # overrides the JSON's stage when set
         "seed": 42,
+        "deterministic": False,      # bit-identical loss curves for the same seed and hardware (training/determinism.py)
         "clock": "monotonic",        # tests: "fake:TICK[:SKEW]"
     },
+    # Spike / NaN guard (training/guard.py): skip bad steps, roll back to the last good checkpoint on repeats.
+    "guard": {
+        "enabled": True, "window": 50, "min_history": 10, "loss_factor": 3.0, "grad_norm_factor": 10.0,
+        "rollback_after": 3, "max_rollbacks": 5,
+        "inject_nan_steps": [], "inject_spike_steps": [], "inject_spike_factor": 100.0,
+    },
+    # Multi-rank start-up and liveness (training/preflight.py).
+    "dist": {"preflight": True, "connect_timeout_s": 120.0, "collective_timeout_s": 1800.0,
+             "heartbeat_s": 5.0, "heartbeat_timeout_s": 120.0},
     "eval": {"every_steps": None, "every_minutes": None, "batches": 50, "micro_batch_size": None, "at_end": True},
-    "checkpoint": {"every_steps": None, "every_minutes": 30, "keep": 2, "resume": "auto", "at_end": True},
+    "checkpoint": {"every_steps": None, "every_minutes": 30, "keep": 2, "resume": "auto", "at_end": True,
+                   "hf": True},              # hf: HF-loadable weights in every checkpoint (step_N/hf/)
     "log": {"every_steps": 10, "tensorboard": True, "peak_tflops": None},
     "export": {"hf": True},
 }
@@ -120,5 +131,20 @@ def validate(cfg: dict) -> None:
         raise ConfigError("log.every_steps must be >= 1")
     if cfg["checkpoint"]["keep"] < 1:
         raise ConfigError("checkpoint.keep must be >= 1 (the newest good checkpoint is never deleted)")
+    g = cfg["guard"]
+    for k in ("window", "min_history", "rollback_after"):
+        if not isinstance(g[k], int) or g[k] < 1:
+            raise ConfigError(f"guard.{k} must be a positive integer, got {g[k]!r}")
+    if g["min_history"] > g["window"]:
+        raise ConfigError("guard.min_history must be <= guard.window")
+    for k in ("loss_factor", "grad_norm_factor"):
+        if g[k] is not None and (not isinstance(g[k], (int, float)) or (g[k] and g[k] <= 1)):
+            raise ConfigError(f"guard.{k} must be > 1 (or 0/null to turn that check off), got {g[k]!r}")
+    for k in ("connect_timeout_s", "collective_timeout_s", "heartbeat_timeout_s"):
+        if not isinstance(cfg["dist"][k], (int, float)) or cfg["dist"][k] <= 0:
+            raise ConfigError(f"dist.{k} must be a positive number of seconds, got {cfg['dist'][k]!r}")
+    hb, hbt = cfg["dist"]["heartbeat_s"], cfg["dist"]["heartbeat_timeout_s"]
+    if hb and hbt < 2 * hb:
+        raise ConfigError(f"dist.heartbeat_timeout_s ({hbt}) must be at least twice dist.heartbeat_s ({hb})")
     if cfg["checkpoint"]["resume"] not in ("auto", "never", "must") and not isinstance(cfg["checkpoint"]["resume"], str):
         raise ConfigError("checkpoint.resume is 'auto', 'never', 'must' or a checkpoint tag")

@@ -1,0 +1,119 @@
+"""Pretraining measurements: device-side sums over a logging window, evaluation on fixed validation
+batches, and the train metrics (loss, accuracy, throughput, MFU, ETA) the loop logs."""
+from __future__ import annotations
+
+import torch
+
+from fastbert.training.engine import TrainEngine, all_reduce_sum
+from fastbert.training.logging import train_flops_per_sequence
+from fastbert.training.schedules import TimeBudgetSchedule
+
+
+class Accumulator:
+    """Device-side sums over a logging window (no host sync until ``reduce``)."""
+
+    KEYS = ("loss", "micro", "mlm_correct", "mlm_count", "nsp_correct", "nsp_count", "tokens")
+
+    def __init__(self, device):
+        self.device = device
+        self.reset()
+
+    def reset(self):
+        self.t = torch.zeros(len(self.KEYS), dtype=torch.float64, device=self.device)
+
+    def add(self, out, next_sentence_label, tokens: int):
+        vals = [out.loss.detach().double(), 1.0]
+        correct, count = getattr(out, "mlm_correct", None), getattr(out, "mlm_count", None)
+        vals += [correct if correct is not None else 0.0, count if count is not None else 0.0]
+        nsp = getattr(out, "nsp_correct", None)
+        if nsp is not None and next_sentence_label is not None:
+            vals += [nsp, float(next_sentence_label.numel())]
+        else:
+            vals += [0.0, 0.0]
+        vals.append(float(tokens))
+        self.t += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in vals])
+
+    def merge(self, other: "Accumulator") -> None:
+        self.t += other.t
+        other.reset()
+
+    def reduce(self, extra: list[float]) -> tuple[dict, list[float]]:
+        """All-reduce (sum) the window and ``extra`` values in one collective."""
+        import torch.distributed as dist
+        t = torch.cat([self.t, torch.tensor(extra, dtype=torch.float64, device=self.device)])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t)
+        vals = t.tolist()
+        self.reset()
+        return dict(zip(self.KEYS, vals[:len(self.KEYS)])), vals[len(self.KEYS):]
+
+
+def to_device(batch: dict, device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def evaluate(engine: TrainEngine, batches: list, collator, collator_state: dict) -> dict:
+    """MLM loss / accuracy (and NSP accuracy) on the fixed validation batches, all ranks together.
+    The eval collator restarts from the same state each time: the same tokens are masked every eval."""
+    collator.load_state_dict(collator_state)
+    engine.eval()
+    sums = torch.zeros(5, dtype=torch.float64, device=engine.device)
+    with torch.no_grad():
+        for batch in batches:
+            b = to_device(batch, engine.device)
+            ids, labels = collator(b["input_ids"], b["attention_mask"])
+            kw = dict(input_ids=ids, attention_mask=b["attention_mask"], token_type_ids=b["token_type_ids"],
+                      labels=labels)
+            nsl = b.get("next_sentence_label")
+            if nsl is not None and getattr(engine.module, "has_nsp", False):
+                kw["next_sentence_label"] = nsl
+            out = engine(**kw)
+            count = out.mlm_count.double()
+            mlm_loss = out.mlm_loss if getattr(out, "mlm_loss", None) is not None else out.loss
+            nsp_c = out.nsp_correct.double() if getattr(out, "nsp_correct", None) is not None else count * 0
+            nsp_n = float(nsl.numel()) if "next_sentence_label" in kw else 0.0
+            sums += torch.stack([mlm_loss.detach().double() * count, out.mlm_correct.double(), count, nsp_c,
+                                 torch.tensor(nsp_n, dtype=torch.float64, device=engine.device)])
+    engine.train()
+    loss_x_n, correct, n, nsp_c, nsp_n = all_reduce_sum(sums.tolist(), engine.device)
+    result = {"mlm_loss": loss_x_n / max(n, 1), "mlm_acc": correct / max(n, 1), "mlm_tokens": n}
+    if nsp_n:
+        result["nsp_acc"] = nsp_c / nsp_n
+    return result
+
+
+def schedule_info(schedule) -> dict:
+    if isinstance(schedule, TimeBudgetSchedule):
+        return {"elapsed_s": schedule.elapsed, "budget_s": schedule.budget_s}
+    return {}
+
+
+def eta(schedule, max_steps, done_steps, step_time) -> float:
+    if isinstance(schedule, TimeBudgetSchedule):
+        left = schedule.remaining_s()
+        if max_steps is not None:
+            left = min(left, (max_steps - done_steps) * step_time)
+        return left
+    return (schedule.total_steps - done_steps) * step_time
+
+
+def train_metrics(s: dict, engine: TrainEngine, lr: float, steps: int, dt: float, mc, avg_len, peak) -> dict:
+    seqs = steps * engine.global_batch_size
+    seq_per_s = seqs / dt if dt > 0 else 0.0
+    tokens_per_s = s["tokens"] / dt if dt > 0 else 0.0
+    # A window whose every step the guard skipped has no loss to report.
+    m = {"loss": s["loss"] / s["micro"] if s["micro"] else float("nan"), "lr": lr, "seq_per_s": seq_per_s, "tokens_per_s": tokens_per_s,
+         "skipped_steps": engine.skipped_steps, "grad_norm": engine.grad_norm()}
+    if s["mlm_count"]:
+        m["mlm_acc"] = s["mlm_correct"] / s["mlm_count"]
+    if s["nsp_count"]:
+        m["nsp_acc"] = s["nsp_correct"] / s["nsp_count"]
+    if engine.loss_scale is not None:
+        m["loss_scale"] = engine.loss_scale
+    if peak and seq_per_s:
+        seq_len = s["tokens"] / max(1.0, seqs)
+        masked = s["mlm_count"] / max(1.0, seqs)
+        flops = train_flops_per_sequence(mc.hidden_size, mc.num_hidden_layers, mc.intermediate_size, mc.vocab_size,
+                                         seq_len or avg_len, masked)
+        m["mfu"] = flops * seq_per_s / (peak * 1e12 * engine.dist.world_size)
+    return m
