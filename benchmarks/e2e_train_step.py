@@ -5,7 +5,8 @@ irrelevant to speed, so masked ids are kept), NSP labels, and either
   padded: lengths drawn from real Wikipedia paragraph lengths (benchmarks/data), padded to --seq, or
   packed: every sequence full (what `fastbert prepare` produces: packed segments),
   sst2:   real SST-2 sentence lengths padded to --seq (the fine-tuning shape).
-Contenders: hf-eager, hf-sdpa, hf-compile (SDPA + torch.compile), fb-torch, fb-triton, hf-patch
+Contenders: hf-eager, hf-sdpa, hf-compile (SDPA + torch.compile), fb-torch, fb-triton, fb-compile
+(fb-triton under torch.compile: Inductor fuses the glue around the fastbert custom ops), hf-patch
 (HF SDPA model + fastbert.patch). All run bf16 autocast over fp32 weights with fused AdamW.
 
 Before timing, every contender's first-batch loss (eval mode, shared weights) is checked against
@@ -34,7 +35,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 PEAK_BF16 = 989.4e12
-CONTENDERS = ("hf-eager", "hf-sdpa", "hf-compile", "fb-torch", "fb-triton", "hf-patch")
+CONTENDERS = ("hf-eager", "hf-sdpa", "hf-compile", "fb-torch", "fb-triton", "fb-compile", "hf-patch")
 
 
 def lengths_for(mode: str, batch: int, seq: int, rng: np.random.Generator) -> np.ndarray:
@@ -98,11 +99,11 @@ def build(name, hf_state, hcfg, fcfg):
             fastbert.patch(model, kernels="triton")
         step_model = torch.compile(model) if name == "hf-compile" else model
         return model, step_model
-    cfg = fcfg.replace(kernels="triton" if name == "fb-triton" else "torch")
+    cfg = fcfg.replace(kernels="torch" if name == "fb-torch" else "triton")
     model = fastbert.BertForPreTraining(cfg)
     load_converted(model, hf_state)
     model = model.cuda()
-    return model, model
+    return model, (torch.compile(model) if name == "fb-compile" else model)
 
 
 def _takes_impl():
@@ -153,7 +154,7 @@ def run_contender(name, batches, hf_state, hcfg, fcfg, warmup, steps, profile=Fa
             torch.cuda.synchronize()
         print(f"--- profile {name} (3 steps) ---")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
-    res = dict(contender=name, ms_per_step=ms, check_loss=check, final_loss=float(loss), warmup_s=compile_s,
+    res = dict(contender=name, ms_per_step=ms, check_loss=check, final_loss=float(loss.detach()), warmup_s=compile_s,
                peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30)
     del model, step_model, opt
     gc.collect()

@@ -87,11 +87,13 @@ class BertSelfAttention(nn.Module):
         cfg = self.config
         T = x.shape[0]
         qkv = self.qkv(x).view(T, 3, cfg.num_attention_heads, cfg.head_dim)  # (T, 3, nh, hd)
-        q, k, v = qkv.unbind(dim=1)                                        # (T, nh, hd) each
         p = cfg.attention_probs_dropout_prob if self.training else 0.0
-        ctx = ops.attention(q, k, v, cu_seqlens, max_seqlen, dropout_p=p,
-                            seed=new_seed(x.device) if p > 0 else None)     # (T, nh, hd)
-        probs = attention_probs_ref(q, k, cu_seqlens, max_seqlen) if output_attentions else None
+        ctx = ops.attention_qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p=p,
+                                      seed=new_seed(x.device) if p > 0 else None)  # (T, nh, hd)
+        probs = None
+        if output_attentions:
+            q, k, _ = qkv.unbind(dim=1)  # (T, nh, hd) each
+            probs = attention_probs_ref(q, k, cu_seqlens, max_seqlen)
         return ctx.reshape(T, cfg.hidden_size), probs
 
 

@@ -13,17 +13,18 @@ class Ops(NamedTuple):
     linear_bias_gelu: Callable
     attention: Callable
     mlm_loss: Callable
+    attention_qkvpacked: Callable  # attention on one (T, 3, nh, hd) tensor, gradient packed too
 
 
 def get_ops(kernels: str) -> Ops:
     if kernels == "torch":
-        from fastbert.ops.attention import varlen_attention_ref
+        from fastbert.ops.attention import varlen_attention_qkvpacked_ref, varlen_attention_ref
         from fastbert.ops.embeddings import bert_embeddings_ref
         from fastbert.ops.ffn import linear_bias_gelu_ref
         from fastbert.ops.layer_norm import dropout_add_layer_norm_ref
         from fastbert.ops.mlm_loss import sparse_mlm_loss_ref
         return Ops(bert_embeddings_ref, dropout_add_layer_norm_ref, linear_bias_gelu_ref,
-                   varlen_attention_ref, sparse_mlm_loss_ref)
+                   varlen_attention_ref, sparse_mlm_loss_ref, varlen_attention_qkvpacked_ref)
     if kernels == "triton":
         from fastbert.ops.triton_ops import triton_ops
         return triton_ops()

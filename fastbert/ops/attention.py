@@ -510,6 +510,28 @@ class VarlenAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
+class VarlenAttentionQKVPackedFunction(torch.autograd.Function):
+    """Attention over one packed ``(T, 3, nh, hd)`` QKV tensor whose gradient is produced packed,
+    so the model's QKV projection gets ``dqkv`` without the stack copy that ``unbind``'s backward
+    would make."""
+
+    @staticmethod
+    def forward(ctx, qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
+        q, k, v = qkv.unbind(1)  # (T, nh, hd) views
+        fwd = _fwd_op if (_fwd_op is not None and _compiling()) else varlen_attention_forward
+        out, lse = fwd(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed)
+        ctx.save_for_backward(qkv, out, lse, cu_seqlens)
+        ctx.args = (max_seqlen, dropout_p, softmax_scale, seed)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        qkv, out, lse, cu_seqlens = ctx.saved_tensors
+        q, k, v = qkv.unbind(1)
+        bwd = _bwd_op if (_bwd_op is not None and _compiling()) else _backward_packed
+        return bwd(dout, q, k, v, out, lse, cu_seqlens, *ctx.args), None, None, None, None, None
+
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -561,3 +583,28 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_sca
     seed = 0 if seed is None else int(seed) % 2**31
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     return VarlenAttentionFunction.apply(q, k, v, cu_seqlens, max_seqlen, float(dropout_p), scale, seed)
+
+
+def varlen_attention_qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, seed=None):
+    """:func:`varlen_attention` on one packed ``qkv`` of shape ``(total_tokens, 3, heads, head_dim)``
+    (the fused QKV projection's output viewed as such); the gradient comes back packed too."""
+    if qkv.dim() != 4 or qkv.shape[1] != 3:
+        raise ValueError(f"qkv must be (total_tokens, 3, heads, head_dim), got {tuple(qkv.shape)}")
+    q, k, v = qkv.unbind(1)
+    _check_inputs(q, k, v, cu_seqlens, dropout_p)
+    cast = _autocast_dtype(qkv.device)
+    if cast is not None and qkv.dtype == torch.float32:
+        qkv = qkv.to(cast)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(qkv.shape[-1])
+    if dropout_p > 0.0 and seed is None:
+        seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+    seed = 0 if seed is None else int(seed) % 2**31
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    return VarlenAttentionQKVPackedFunction.apply(qkv, cu_seqlens, max_seqlen, float(dropout_p), scale, seed)
+
+
+def varlen_attention_qkvpacked_ref(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, seed=None):
+    """Reference for :func:`varlen_attention_qkvpacked`."""
+    q, k, v = qkv.unbind(1)
+    return varlen_attention_ref(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed)

@@ -14,6 +14,5 @@ def triton_ops():
     from fastbert.ops.ffn import linear_bias_gelu
     from fastbert.ops.layer_norm import dropout_add_layer_norm
     from fastbert.ops.mlm_loss import sparse_mlm_loss
-    # Until the Triton varlen attention lands, attention runs the torch reference on this path.
-    varlen_attention = getattr(attention, "varlen_attention", attention.varlen_attention_ref)
-    return Ops(bert_embeddings, dropout_add_layer_norm, linear_bias_gelu, varlen_attention, sparse_mlm_loss)
+    return Ops(bert_embeddings, dropout_add_layer_norm, linear_bias_gelu, attention.varlen_attention,
+               sparse_mlm_loss, attention.varlen_attention_qkvpacked)
