@@ -79,8 +79,8 @@ def main(argv=None) -> int:
 def known_failure(e: BaseException):
     """The one-line message for failures fastbert diagnoses itself (preflight, guard), else None."""
     from fastbert.training.guard import GuardError
-    from fastbert.training.preflight import PreflightError
-    return str(e) if isinstance(e, (GuardError, PreflightError)) else None
+    from fastbert.training.preflight import PeerLostError, PreflightError
+    return str(e) if isinstance(e, (GuardError, PeerLostError, PreflightError)) else None
 
 
 if __name__ == "__main__":

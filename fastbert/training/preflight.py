@@ -49,6 +49,24 @@ class PreflightError(RuntimeError):
     """The distributed set-up cannot work; the message says what to fix."""
 
 
+class PeerLostError(RuntimeError):
+    """A collective failed mid-run because another rank died or its connection broke."""
+
+
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted",
+              "NCCL error", "ncclRemoteError", "ncclSystemError", "Timed out", "timed out")
+
+
+def describe_collective_failure(e: BaseException) -> Optional[str]:
+    """One actionable line for a collective that failed because a peer went away, else None."""
+    text = str(e)
+    if not isinstance(e, RuntimeError) or not any(k in text for k in _PEER_LOST):
+        return None
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return (f"a collective failed on rank {os.environ.get('RANK', '?')} ({first[:300]}): another rank died, hung "
+            "or lost its network; the first error in the other nodes' logs is the cause (this rank is collateral)")
+
+
 # ------------------------------------------------------------------------------------ checks
 def wait_for_master(addr: str, port: int, timeout_s: float) -> float:
     """Connect to ``addr:port`` until it accepts or ``timeout_s`` passes; returns the seconds waited."""

@@ -119,6 +119,9 @@ def run_pretraining(cfg: dict) -> dict:
     except BaseException as e:
         if watchdog is not None:
             watchdog.abort(f"{e.__class__.__name__}: {e}"[:500])
+        lost = preflight.describe_collective_failure(e)
+        if lost is not None:
+            raise preflight.PeerLostError(lost) from e
         raise
     finally:
         log.close()

@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
 
 from pretrain_harness import (REPO, by_step, cpu_env, free_port, kill9, launch, prepare_slice,  # noqa: E402,F401
                               records, run, torchrun_cmd, wait, wait_for, write_config)
+from pretrain_harness import descendants as descendants_of  # noqa: E402,F401
 
 TINY_MODEL = {"preset": "tiny", "overrides": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
                                               "intermediate_size": 64}}
