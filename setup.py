@@ -27,9 +27,11 @@ DEBUG = os.environ.get("FASTBERT_DEBUG", "0") == "1"
 
 def cpp_extension(name: str, folder: str) -> Pybind11Extension:
     sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / folder).glob("*.cpp"))
+    headers = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.h"))  # rebuild when one changes
     return Pybind11Extension(
         name,
         sources,
+        depends=headers,
         include_dirs=[f"csrc/{folder}", f"csrc/{folder}/generated"],
         define_macros=[("FASTBERT_VERSION", f'"{VERSION}"')],
         cxx_std=17,

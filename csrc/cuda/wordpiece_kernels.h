@@ -342,9 +342,11 @@ struct WordTokens {
         if (r < 0) record_error(overflow, w);
       }
       const int64_t at = mode ? tok_pos[w] : 0;
+      // A word that turns out [UNK] has emitted some pieces first: only its one slot is ours.
+      const int32_t slots = mode ? tok_count[w] : 0;
       const int32_t* o = orig + start;
       count = match_word(trie, bytes + start, static_cast<int>(end - start), [&](int k, int32_t id, int b, int e) {
-        if (mode) {
+        if (k < slots) {
           tok_id[at + k] = id;
           tok_begin[at + k] = static_cast<int32_t>(o[b] - base);
           tok_end[at + k] = static_cast<int32_t>(o[e - 1] + 1 - base);

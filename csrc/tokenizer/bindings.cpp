@@ -269,10 +269,13 @@ py::tuple encode_flat(const Tokenizer& tok, const py::handle& texts_in, int num_
   int32_t* p_ids = ids.mutable_data();
   {
     py::gil_scoped_release release;
-    ThreadPool::instance().run(rows, threads, [&](int64_t r) {
-      const Token* t = tokens.sink(r).tokens.data() + tokens.seg_begin[r];
-      int32_t* dst = p_ids + p_splits[r];
-      for (int64_t k = 0; k < tokens.seg_count[r]; ++k) dst[k] = t[k].id;
+    const int64_t per_task = 1024;
+    ThreadPool::instance().run((rows + per_task - 1) / per_task, threads, [&](int64_t task) {
+      for (int64_t r = task * per_task; r < std::min<int64_t>(rows, (task + 1) * per_task); ++r) {
+        const Token* t = tokens.sink(r).tokens.data() + tokens.seg_begin[r];
+        int32_t* dst = p_ids + p_splits[r];
+        for (int64_t k = 0; k < tokens.seg_count[r]; ++k) dst[k] = t[k].id;
+      }
     });
   }
   return py::make_tuple(ids, splits);

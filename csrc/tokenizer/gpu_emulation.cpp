@@ -35,12 +35,14 @@ struct NumpyArgs {
   }
 };
 
+// Items run last to first: a GPU runs them in any order, and an item that writes outside its own
+// outputs is usually overwritten (hidden) by a later item in forward order, not in reverse.
 template <class Kernel>
 void run(py::dict arrays, py::dict scalars) {
   NumpyArgs args{arrays, scalars};
   const Kernel k = Kernel::make(args);
   py::gil_scoped_release release;
-  for (int64_t i = 0; i < k.n; ++i) k(i);
+  for (int64_t i = k.n - 1; i >= 0; --i) k(i);
 }
 
 }  // namespace

@@ -271,7 +271,9 @@ BatchTokens Tokenizer::encode_batch(const std::vector<TextRef>& segments, int th
   bt.sinks.resize(chunks);
   ThreadPool::instance().run(chunks, threads, [&](int64_t c) {
     Scratch w(config_.max_input_chars_per_word);
-    TokenSink& sink = bt.sinks[c];
+    // A local sink, moved into place at the end: sinks side by side in bt.sinks would share cache
+    // lines, and every push_back would bounce them between cores.
+    TokenSink sink;
     Emitter emitter{*this, sink};
     int64_t chars = 0;
     for (int64_t s = bounds[c]; s < bounds[c + 1]; ++s) chars += segments[s].length;
@@ -289,6 +291,7 @@ BatchTokens Tokenizer::encode_batch(const std::vector<TextRef>& segments, int th
       bt.seg_begin[s] = begin;
       bt.seg_count[s] = sink.size() - begin;
     }
+    bt.sinks[c] = std::move(sink);
   });
   return bt;
 }
