@@ -6,8 +6,8 @@ For each input file, ``OUT/<name>.npy`` holds the WordPiece ids of all its parag
 starts in the array, plus the end). Inputs are plain text (documents separated by blank lines, one
 sentence or paragraph per line) or WikiExtractor output (``<doc ...>`` blocks, the repeated title
 line dropped): the conventions of ``fastbert prepare``. .xz, .gz and .bz2 are read as they stream
-(detected from their first bytes). Each array is written to a temporary file and renamed when
-complete; index.json is written last.
+(detected from their first bytes). Arrays are written into a staging folder inside OUT and moved into
+place only when every input succeeded; index.json is written last. On an error nothing is left.
 """
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ import lzma
 import os
 import queue
 import re
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -68,11 +70,17 @@ def run(args) -> int:
     start = time.perf_counter()
     stats = {"text_bytes": 0, "tokens": 0}
     entries = []
+    out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".tokenize-", dir=out))  # all or nothing: moved into place at the end
     try:
         for path, name in zip(files, names):
-            entries.append(_tokenize_file(tok, path, out, name, dtype, args, bar, stats, start))
+            entries.append(_tokenize_file(tok, path, staging, name, dtype, args, bar, stats, start))
+        for name in names:
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staging / name, out / name)
     finally:
         bar.close()
+        shutil.rmtree(staging, ignore_errors=True)
     seconds = time.perf_counter() - start
     index = {
         "format": "fastbert-token-ids/1",
@@ -252,45 +260,47 @@ def _tokenize_file(tok, path: Path, out: Path, name: str, dtype: str, args, bar,
     import numpy as np
 
     from fastbert.cli import UsageError
-    from fastbert.io import atomic_path
 
     errors: list = []
     tokens = text_bytes = lines = 0
     doc_offsets: list[int] = []
     read_pos = 0
-    with atomic_path(out / name) as tmp:
-        with open(tmp, "wb") as f:
-            f.write(b"\0" * _NPY_HEADER)
-            for batch, starts, pos in _batches(path, int(args.batch_mb * 1e6), errors):
-                if batch:
-                    ids, splits = tok.encode_flat(batch, num_threads=args.threads)
-                    for j in np.flatnonzero(np.asarray(starts)):
-                        doc_offsets.append(tokens + int(splits[j]))
-                    f.write(ids.astype(dtype, copy=False).tobytes())
-                    tokens += len(ids)
-                    lines += len(batch)
-                    batch_bytes = sum(len(s.encode("utf-8", "surrogatepass")) for s in batch)
-                    text_bytes += batch_bytes
-                    stats["text_bytes"] += batch_bytes
-                    stats["tokens"] += len(ids)
-                bar.update(pos - read_pos)
-                read_pos = pos
-                elapsed = max(time.perf_counter() - start, 1e-9)
-                bar.set_postfix_str(f"{stats['text_bytes'] / elapsed / 1e6:.1f} MB/s text, "
-                                    f"{stats['tokens'] / elapsed / 1e6:.2f} Mtok/s", refresh=False)
-            if errors:
-                e = errors[0]
-                if isinstance(e, UsageError):
-                    raise e
-                if isinstance(e, UnicodeDecodeError):
-                    raise UsageError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a block); convert it "
-                                     f"to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
-                if isinstance(e, (lzma.LZMAError, gzip.BadGzipFile, EOFError, OSError)):
-                    raise UsageError(f"{path}: cannot read it ({e.__class__.__name__}: {e}); the file is corrupt or "
-                                     f"truncated: re-create it or leave it out") from None
+    target = out / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target, "wb") as f:
+        f.write(b"\0" * _NPY_HEADER)
+        for batch, starts, pos in _batches(path, int(args.batch_mb * 1e6), errors):
+            if batch:
+                ids, splits = tok.encode_flat(batch, num_threads=args.threads)
+                for j in np.flatnonzero(np.asarray(starts)):
+                    doc_offsets.append(tokens + int(splits[j]))
+                f.write(ids.astype(dtype, copy=False).tobytes())
+                tokens += len(ids)
+                lines += len(batch)
+                batch_bytes = sum(len(s.encode("utf-8", "surrogatepass")) for s in batch)
+                text_bytes += batch_bytes
+                stats["text_bytes"] += batch_bytes
+                stats["tokens"] += len(ids)
+            bar.update(pos - read_pos)
+            read_pos = pos
+            elapsed = max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix_str(f"{stats['text_bytes'] / elapsed / 1e6:.1f} MB/s text, "
+                                f"{stats['tokens'] / elapsed / 1e6:.2f} Mtok/s", refresh=False)
+        if errors:
+            e = errors[0]
+            if isinstance(e, UsageError):
                 raise e
-            f.seek(0)
-            f.write(_npy_header(dtype, tokens))
+            if isinstance(e, UnicodeDecodeError):
+                raise UsageError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a block); convert it "
+                                 f"to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+            if isinstance(e, (lzma.LZMAError, gzip.BadGzipFile, EOFError, OSError)):
+                raise UsageError(f"{path}: cannot read it ({e.__class__.__name__}: {e}); the file is corrupt or "
+                                 f"truncated: re-create it or leave it out") from None
+            raise e
+        f.seek(0)
+        f.write(_npy_header(dtype, tokens))
+        f.flush()
+        os.fsync(f.fileno())
     doc_offsets.append(tokens)
     return {"input": str(path), "ids": name, "tokens": tokens, "text_bytes": text_bytes, "paragraphs": lines,
             "documents": len(doc_offsets) - 1, "doc_offsets": doc_offsets}
