@@ -72,9 +72,14 @@ def run(args) -> int:
     entries = []
     out.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".tokenize-", dir=out))  # all or nothing: moved into place at the end
+    ahead = max(1, min(8, args.threads or os.cpu_count() or 1))  # files read (decompressed) in parallel
+    readers: dict[int, _Reader] = {}
     try:
-        for path, name in zip(files, names):
-            entries.append(_tokenize_file(tok, path, staging, name, dtype, args, bar, stats, start))
+        for i, (path, name) in enumerate(zip(files, names)):
+            for j in range(i, min(i + ahead, len(files))):
+                if j not in readers:
+                    readers[j] = _Reader(files[j], int(args.batch_mb * 1e6))
+            entries.append(_tokenize_file(tok, readers.pop(i), staging, name, dtype, args, bar, stats, start))
         for name in names:
             (out / name).parent.mkdir(parents=True, exist_ok=True)
             os.replace(staging / name, out / name)
@@ -196,7 +201,7 @@ def _paragraphs(text, path: Path):
         if wiki is None:
             if not s:
                 continue
-            wiki = bool(_DOC_OPEN.match(s))
+            wiki = s.startswith("<doc") and bool(_DOC_OPEN.match(s))
         if not wiki:
             if s:
                 yield s, new_doc
@@ -205,7 +210,7 @@ def _paragraphs(text, path: Path):
                 new_doc = True
             continue
         if not in_doc:
-            if _DOC_OPEN.match(s):
+            if s.startswith("<doc") and _DOC_OPEN.match(s):
                 m = _TITLE.search(s)
                 in_doc, title, new_doc, opened_at = True, (m.group(1).strip() if m else None), True, n
             elif s:
@@ -213,7 +218,7 @@ def _paragraphs(text, path: Path):
                                  f"file; the file is damaged (or mixes formats): fix or remove it")
         elif s == "</doc>":
             in_doc = False
-        elif _DOC_OPEN.match(s):
+        elif s.startswith("<doc") and _DOC_OPEN.match(s):
             raise UsageError(f"{path}: <doc> at line {n} opens before the one at line {opened_at} is closed; "
                              f"the file is damaged: fix or remove it")
         elif s:
@@ -227,41 +232,52 @@ def _paragraphs(text, path: Path):
         raise UsageError(f"{path}: <doc> opened at line {opened_at} is never closed (truncated file?); fix or remove it")
 
 
-def _batches(path: Path, batch_chars: int, errors: list):
-    """Background reader: yields (paragraphs, doc_start_flags, compressed_pos); errors go to `errors`."""
-    q: queue.Queue = queue.Queue(maxsize=2)
+class _Reader:
+    """Reads, decompresses and splits one file in a background thread (xz/gzip/bz2 release the GIL,
+    so several files decompress in parallel). Iterating yields (paragraphs, doc_start_flags,
+    compressed_position, text_bytes_so_far); a reading error is raised by the iteration."""
 
-    def read():
+    def __init__(self, path: Path, batch_chars: int):
+        self.path, self.batch_chars = path, batch_chars
+        self.queue: queue.Queue = queue.Queue(maxsize=4)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self):
         try:
-            raw, text, kind = _open_text(path)
+            raw, text, kind = _open_text(self.path)
             with raw, text:
+                stream = text.buffer
                 lines, starts, size = [], [], 0
-                for s, new_doc in _paragraphs(text, path):
+                for s, new_doc in _paragraphs(text, self.path):
                     lines.append(s)
                     starts.append(new_doc)
                     size += len(s)
-                    if size >= batch_chars:
-                        q.put((lines, starts, raw.tell()))
+                    if size >= self.batch_chars:
+                        self.queue.put((lines, starts, raw.tell(), stream.tell()))
                         lines, starts, size = [], [], 0
-                q.put((lines, starts, raw.tell()))
-        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
-            errors.append(e)
+                self.queue.put((lines, starts, raw.tell(), stream.tell()))
+        except BaseException as e:  # noqa: BLE001 - re-raised by __iter__
+            self.error = e
         finally:
-            q.put(None)
+            self.queue.put(None)
 
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
-    while (item := q.get()) is not None:
-        yield item
-    thread.join()
+    def __iter__(self):
+        while (item := self.queue.get()) is not None:
+            yield item
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
 
 
-def _tokenize_file(tok, path: Path, out: Path, name: str, dtype: str, args, bar, stats: dict, start: float) -> dict:
+def _tokenize_file(tok, reader: _Reader, out: Path, name: str, dtype: str, args, bar, stats: dict,
+                   start: float) -> dict:
     import numpy as np
 
     from fastbert.cli import UsageError
 
-    errors: list = []
+    path = reader.path
     tokens = text_bytes = lines = 0
     doc_offsets: list[int] = []
     read_pos = 0
@@ -269,34 +285,31 @@ def _tokenize_file(tok, path: Path, out: Path, name: str, dtype: str, args, bar,
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target, "wb") as f:
         f.write(b"\0" * _NPY_HEADER)
-        for batch, starts, pos in _batches(path, int(args.batch_mb * 1e6), errors):
-            if batch:
-                ids, splits = tok.encode_flat(batch, num_threads=args.threads)
-                for j in np.flatnonzero(np.asarray(starts)):
-                    doc_offsets.append(tokens + int(splits[j]))
-                f.write(ids.astype(dtype, copy=False).tobytes())
-                tokens += len(ids)
-                lines += len(batch)
-                batch_bytes = sum(len(s.encode("utf-8", "surrogatepass")) for s in batch)
-                text_bytes += batch_bytes
-                stats["text_bytes"] += batch_bytes
-                stats["tokens"] += len(ids)
-            bar.update(pos - read_pos)
-            read_pos = pos
-            elapsed = max(time.perf_counter() - start, 1e-9)
-            bar.set_postfix_str(f"{stats['text_bytes'] / elapsed / 1e6:.1f} MB/s text, "
-                                f"{stats['tokens'] / elapsed / 1e6:.2f} Mtok/s", refresh=False)
-        if errors:
-            e = errors[0]
-            if isinstance(e, UsageError):
-                raise e
-            if isinstance(e, UnicodeDecodeError):
-                raise UsageError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a block); convert it "
-                                 f"to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
-            if isinstance(e, (lzma.LZMAError, gzip.BadGzipFile, EOFError, OSError)):
-                raise UsageError(f"{path}: cannot read it ({e.__class__.__name__}: {e}); the file is corrupt or "
-                                 f"truncated: re-create it or leave it out") from None
-            raise e
+        try:
+            for batch, starts, pos, decoded in reader:
+                if batch:
+                    ids, splits = tok.encode_flat(batch, num_threads=args.threads)
+                    for j in np.flatnonzero(np.asarray(starts)):
+                        doc_offsets.append(tokens + int(splits[j]))
+                    f.write(ids.astype(dtype, copy=False).tobytes())
+                    tokens += len(ids)
+                    lines += len(batch)
+                    stats["tokens"] += len(ids)
+                stats["text_bytes"] += decoded - text_bytes
+                text_bytes = decoded
+                bar.update(pos - read_pos)
+                read_pos = pos
+                elapsed = max(time.perf_counter() - start, 1e-9)
+                bar.set_postfix_str(f"{stats['text_bytes'] / elapsed / 1e6:.1f} MB/s text, "
+                                    f"{stats['tokens'] / elapsed / 1e6:.2f} Mtok/s", refresh=False)
+        except UsageError:
+            raise
+        except UnicodeDecodeError as e:
+            raise UsageError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a block); convert it "
+                             f"to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+        except (lzma.LZMAError, gzip.BadGzipFile, EOFError, OSError) as e:
+            raise UsageError(f"{path}: cannot read it ({e.__class__.__name__}: {e}); the file is corrupt or "
+                             f"truncated: re-create it or leave it out") from None
         f.seek(0)
         f.write(_npy_header(dtype, tokens))
         f.flush()
