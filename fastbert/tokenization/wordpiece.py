@@ -224,8 +224,9 @@ class WordPieceTokenizer:
 
         Returns a dict with ``input_ids``, ``token_type_ids``, ``attention_mask`` (and ``offsets``):
         int64 arrays of shape (rows, width) (offsets (rows, width, 2)) when padding; with
-        ``padding=False`` a list of one 1-D array per row (``return_tensors`` then needs rows of
-        one length).
+        ``padding=False`` a list of one 1-D array per row, views of one buffer (``return_tensors``
+        then needs rows of one length). Making those per-row views costs about as much as the
+        tokenization itself: for corpora, ``encode_flat`` is the fast path.
         """
         if isinstance(texts, str):
             raise TypeError("encode_batch takes a list of texts; use encode() for one text")
@@ -308,9 +309,10 @@ class WordPieceTokenizer:
             texts, pairs = text, text_pair
         else:
             texts, pairs = [text], None if text_pair is None else [text_pair]
-        enc = self.encode_batch(texts, pairs, add_special_tokens, max_length, truncation, padding, True,
-                                num_threads, None, device, pad_to_multiple_of)
-        enc["offset_mapping"] = enc.pop("offsets")
+        enc = self.encode_batch(texts, pairs, add_special_tokens, max_length, truncation, padding,
+                                return_offsets_mapping, num_threads, None, device, pad_to_multiple_of)
+        if return_offsets_mapping:
+            enc["offset_mapping"] = enc.pop("offsets")
         if return_special_tokens_mask:
             special = np.asarray(sorted(self.all_special_ids), dtype=np.int64)
             if isinstance(enc["input_ids"], list):
@@ -321,8 +323,6 @@ class WordPieceTokenizer:
                     special, device=enc["input_ids"].device)).long()
             else:
                 enc["special_tokens_mask"] = np.isin(enc["input_ids"], special).astype(np.int64)
-        if not return_offsets_mapping:
-            del enc["offset_mapping"]
         if not return_token_type_ids:
             del enc["token_type_ids"]
         if not return_attention_mask:
