@@ -145,7 +145,11 @@ def process_file(task: dict) -> dict:
 
 # ----------------------------------------------------------------------------------- driver
 def prepare(cfg: PrepareConfig, progress: bool = True) -> dict:
-    """Run the whole preparation; returns the index. Safe to rerun: finished shards are skipped."""
+    """Run the whole preparation; returns the index. Safe to rerun: finished shards are skipped.
+
+    On failure nothing half-written stays behind: shards are written atomically (a shard counts only
+    once its ``.json`` marker exists) and ``index.json`` comes last; if the run finished no shard at
+    all, what it created (the output folder, or ``prepare.json`` in an existing one) is removed."""
     cfg.validate()
     files = list_corpus_files(cfg.corpus)
     vocab = vocab_file(cfg.vocab)
@@ -156,8 +160,10 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> dict:
     out = Path(cfg.out)
     settings = fingerprint(cfg, files)
     digest = _digest(settings)
+    created_out = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     recorded = out / "prepare.json"
+    wrote_record = False
     if recorded.is_file():
         old = json.loads(recorded.read_text())
         if _digest(old) != digest:
@@ -166,6 +172,7 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> dict:
                              "use a new --out folder or delete this one")
     else:
         atomic_write_text(recorded, json.dumps(settings, indent=1) + "\n")
+        wrote_record = True
 
     tasks, done = [], {}
     for number, path in enumerate(files):
@@ -182,9 +189,20 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> dict:
     try:
         for result in _run_tasks(tasks, cfg, bar):
             done[result["number"]] = result["infos"]
+        return write_index(out, cfg, tok, vocab, [done[n] for n in range(len(files))], digest)
+    except BaseException as e:
+        if not done:
+            if created_out:
+                shutil.rmtree(out, ignore_errors=True)
+            elif wrote_record:
+                recorded.unlink(missing_ok=True)
+        elif isinstance(e, ValueError) and e.args:
+            # Finished shards are complete and kept: say so, the re-run continues from them.
+            e.args = (f"{e.args[0]} ({len(done)} of {len(files)} files finished; their shards in {out} are kept "
+                      "and a re-run skips them)",) + e.args[1:]
+        raise
     finally:
         bar.close()
-    return write_index(out, cfg, tok, vocab, [done[n] for n in range(len(files))], digest)
 
 
 def _progress_bar(total_bytes: int, skipped: int, num_files: int, enabled: bool):

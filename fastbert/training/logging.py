@@ -54,17 +54,19 @@ class MetricsLogger:
     def __init__(self, out_dir, enabled: bool = True, tensorboard: bool = True, console=sys.stdout):
         self.enabled = enabled
         self.console = console
+        self.out_dir = Path(out_dir)
+        self.want_tensorboard = tensorboard
         self.jsonl = None
         self.tb = None
-        if not enabled:
-            return
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(out_dir / "metrics.jsonl", "a", buffering=1)
-        if tensorboard:
+
+    def _open(self) -> None:
+        """Files are created at the first record, so a run that fails its checks leaves nothing behind."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(self.out_dir / "metrics.jsonl", "a", buffering=1)
+        if self.want_tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+                self.tb = SummaryWriter(str(self.out_dir / "tensorboard"))
             except Exception as e:  # tensorboard missing is not fatal: the JSONL has everything
                 self.print(f"[fastbert] TensorBoard disabled ({e.__class__.__name__}: {e})")
 
@@ -75,6 +77,8 @@ class MetricsLogger:
     def log(self, event: str, step: int, **values) -> None:
         if not self.enabled:
             return
+        if self.jsonl is None:
+            self._open()
         record = {"event": event, "step": step, "time": time.time(), **values}
         self.jsonl.write(json.dumps(record) + "\n")
         if self.tb is not None:

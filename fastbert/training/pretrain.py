@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from fastbert.io import atomic_write_text
 from fastbert.training import checkpoint as ckpt
 from fastbert.training import determinism, hf_export, preflight
 from fastbert.training.engine import DistInfo, TrainEngine, all_reduce_sum, barrier, build_engine, load_ds_config
@@ -273,8 +274,8 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict
     install_guard(engine, guard)
     _seed_all(seed + 1000 * (dist.rank + 1))          # per-rank dropout streams
     if dist.is_main:
-        (out_dir / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
-        (out_dir / "ds_config.json").write_text(json.dumps(engine.ds_config, indent=1) + "\n")
+        atomic_write_text(out_dir / "config.json", json.dumps(cfg, indent=1) + "\n")
+        atomic_write_text(out_dir / "ds_config.json", json.dumps(engine.ds_config, indent=1) + "\n")
 
     # Schedule: wall-clock budget (LR follows time) or steps.
     lr = float(t_cfg["optimizer"]["lr"])
@@ -443,7 +444,7 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict
     log.log("done", final_step, **{k: v for k, v in summary.items() if k != "train"})
     if dist.is_main:
         write_manifest(out_dir / "manifest.json", r.manifest(final_step, final=True))
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=1) + "\n")
     return summary
 
 
