@@ -100,7 +100,7 @@ def mlm_stats(model, batch) -> tuple[torch.Tensor, float, float]:
     out = model(**batch)
     if getattr(out, "mlm_count", None) is not None:  # fastbert sparse head: mean over predicted tokens
         n = float(out.mlm_count)
-        return out.loss, float(out.loss) * n, float(out.mlm_correct)
+        return out.loss, float(out.loss.detach()) * n, float(out.mlm_correct)
     labels = batch["labels"]
     keep = labels != -100
     logits = out.logits[keep].float()
@@ -162,7 +162,8 @@ def pretrain_run(way: str, seed: int, args, data: SameBatches, eval_set, out: Pa
             torch.cuda.synchronize()
         train_s += time.perf_counter() - t0
         if (s + 1) % args.eval_every == 0 or s + 1 == args.steps:
-            point = {"step": s + 1, "seconds": train_s, "train_loss": float(loss), **evaluate(model, eval_set, autocast)}
+            point = {"step": s + 1, "seconds": train_s, "train_loss": float(loss.detach()),
+                     **evaluate(model, eval_set, autocast)}
             curve.append(point)
             print(f"[pretrain] {way} seed {seed}: {point}", flush=True)
     res = {"way": way, "seed": seed, "preset": args.preset, "prenorm": args.prenorm and way != "hf",

@@ -1,0 +1,38 @@
+"""benchmarks/time_to_quality.py at toy scale on the CPU: the same batches and masks reach HF and fastbert
+(identical step-0 held-out loss from a shared init), curves and plots are written, runs are resumable,
+and the budget projection follows its formula."""
+import json
+import subprocess
+import sys
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_pretrain_and_project_parts(data_dir, tmp_path):
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, "-m", "fastbert.cli", "prepare", "--corpus",
+                    str(data_dir / "pretrain/enwiki_wikiextractor/wiki_00.xz"), "--vocab",
+                    str(data_dir / "vocab/bert-base-uncased/vocab.txt"), "--out", str(data), "--seq-len", "64",
+                    "--workers", "1", "--val-fraction", "0.05"], check=True, capture_output=True)
+    e2e = tmp_path / "e2e.json"
+    e2e.write_text(json.dumps({"card": "test card", "results": [{"contender": "fb-triton", "seq_per_s": 2000.0}]}))
+    out = tmp_path / "ttq"
+    cmd = [sys.executable, str(REPO / "benchmarks/time_to_quality.py"), "--parts", "pretrain,project", "--data",
+           str(data), "--out", str(out), "--preset", "tiny", "--steps", "4", "--batch", "8", "--eval-every", "2",
+           "--eval-batches", "2", "--seeds", "0", "--ways", "hf,fb-torch", "--e2e-json", str(e2e)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    hf = json.loads((out / "pretrain_hf_seed0.json").read_text())
+    fb = json.loads((out / "pretrain_fb-torch_seed0.json").read_text())
+    assert [p["step"] for p in hf["curve"]] == [0, 2, 4] == [p["step"] for p in fb["curve"]]
+    assert abs(hf["curve"][0]["mlm_loss"] - fb["curve"][0]["mlm_loss"]) < 1e-4  # same init, same eval masks
+    assert abs(hf["curve"][-1]["mlm_loss"] - fb["curve"][-1]["mlm_loss"]) < 0.05  # same batches, dropout differs
+    assert (out / "loss_vs_step.png").stat().st_size > 0 and (out / "loss_vs_seconds.png").stat().st_size > 0
+    proj = json.loads((out / "projection.json").read_text())
+    assert abs(proj["hours_1_cards"] - 95e6 / 2000 / 3600) < 1e-9
+    assert abs(proj["hours_8_cards"] - 95e6 / (2000 * 8 * 0.9) / 3600) < 1e-9
+    # resumable: a second call reuses the finished runs
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and "[pretrain]" not in res.stdout
