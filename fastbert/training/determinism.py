@@ -29,9 +29,14 @@ def enable() -> dict:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     os.environ["TRITON_CACHE_AUTOTUNING"] = "1"
     torch.use_deterministic_algorithms(True)
+    # A debugging aid that use_deterministic_algorithms switches on: it fills every torch.empty with
+    # NaN (bandwidth spent on every allocation, e.g. DeepSpeed's flat gradient buffers, for no
+    # determinism gain when no op reads uninitialized memory).
+    torch.utils.deterministic.fill_uninitialized_memory = False
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
-    return {"use_deterministic_algorithms": True, "CUBLAS_WORKSPACE_CONFIG": os.environ["CUBLAS_WORKSPACE_CONFIG"],
+    return {"use_deterministic_algorithms": True, "fill_uninitialized_memory": False,
+            "CUBLAS_WORKSPACE_CONFIG": os.environ["CUBLAS_WORKSPACE_CONFIG"],
             "TRITON_CACHE_AUTOTUNING": "1", "cudnn.deterministic": True, "cudnn.benchmark": False}
 
 
