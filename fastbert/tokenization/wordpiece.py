@@ -12,18 +12,14 @@ WordPiece (LinMaxMatch over a double-array trie) as soon as each word ends.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
-from fastbert.tokenization.reference import SPECIAL_TOKEN_NAMES, load_vocab
+from fastbert.tokenization.base import TokenizerBase
 
 _TRUNCATION = {True: "longest_first", False: "none", None: "none", "do_not_truncate": "none",
                "longest_first": "longest_first", "only_first": "only_first", "only_second": "only_second"}
-_NO_LIMIT = 10**12  # HF writes model_max_length = int(1e30) when a checkpoint sets no limit
-_DECODE_CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-                   (" 'm", "'m"), (" do not", " don't"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 
 
 def _load_core():
@@ -38,7 +34,7 @@ def _load_core():
     return _C
 
 
-class WordPieceTokenizer:
+class WordPieceTokenizer(TokenizerBase):
     """BERT WordPiece tokenizer in C++, with the results of HF ``BertTokenizerFast``.
 
     Args:
@@ -57,124 +53,24 @@ class WordPieceTokenizer:
                  unk_token: str = "[UNK]", sep_token: str = "[SEP]", pad_token: str = "[PAD]",
                  cls_token: str = "[CLS]", mask_token: str = "[MASK]", model_max_length: int | None = None):
         _C = _load_core()
-        self.vocab_path = Path(vocab_path)
-        tokens = load_vocab(vocab_path)
-        self.ids_to_tokens: list[str] = tokens
-        self.vocab: dict[str, int] = {tok: i for i, tok in enumerate(tokens)}  # a repeated line: last id wins, as HF
-        self.lowercase = bool(lowercase)
-        self.strip_accents = strip_accents
-        self.tokenize_chinese_chars = bool(tokenize_chinese_chars)
+        tokens = self._init_vocab(vocab_path, lowercase, strip_accents, tokenize_chinese_chars)
         if int(max_input_chars_per_word) < 1:
             raise ValueError(f"max_input_chars_per_word must be >= 1, got {max_input_chars_per_word}")
         self.max_input_chars_per_word = int(max_input_chars_per_word)
-        self.model_max_length = (None if model_max_length is None or model_max_length >= _NO_LIMIT
-                                 else int(model_max_length))
-        self.unk_token, self.sep_token, self.pad_token = unk_token, sep_token, pad_token
-        self.cls_token, self.mask_token = cls_token, mask_token
-        if unk_token not in self.vocab:
-            raise ValueError(
-                f"vocab file {self.vocab_path} has no unknown token {unk_token!r}. Add a line {unk_token} "
-                f"(BERT vocabularies have it at id 100) or pass unk_token= the token your vocabulary uses.")
+        self._init_special_tokens(model_max_length, unk_token, sep_token, pad_token, cls_token, mask_token)
         specials = [(t, self.vocab[t]) for t in dict.fromkeys(self.all_special_tokens) if t and t in self.vocab]
         strip = self.lowercase if strip_accents is None else bool(strip_accents)
         self._core = _C.WordPieceCore(tokens, self.lowercase, strip, self.tokenize_chinese_chars,
                                       self.max_input_chars_per_word, self.vocab[unk_token], specials)
         self._cuda = None  # fastbert.tokenization._cuda.CudaWordPiece, made on first use
 
-    @classmethod
-    def from_pretrained(cls, directory: str | Path, **kwargs) -> "WordPieceTokenizer":
-        """Load vocab.txt and tokenizer_config.json (do_lower_case, strip_accents,
-        tokenize_chinese_chars, model_max_length, special tokens) of an HF checkpoint directory.
-        Keyword arguments override the file."""
-        directory = Path(directory)
-        if not directory.is_dir():
-            raise FileNotFoundError(f"tokenizer directory not found: {directory}; pass a directory with vocab.txt "
-                                    f"(and optionally tokenizer_config.json), or a vocab.txt to WordPieceTokenizer()")
-        options: dict = {}
-        config_path = directory / "tokenizer_config.json"
-        if config_path.is_file():
-            try:
-                config = json.loads(config_path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{config_path} is not valid JSON ({e}); fix or delete it") from None
-            if "do_lower_case" in config:
-                options["lowercase"] = bool(config["do_lower_case"])
-            for key in ("strip_accents", "tokenize_chinese_chars", "model_max_length", "max_input_chars_per_word"):
-                if config.get(key) is not None:
-                    options[key] = config[key]
-            for key in SPECIAL_TOKEN_NAMES:
-                value = config.get(key)
-                if isinstance(value, dict):  # serialized AddedToken
-                    value = value.get("content")
-                if isinstance(value, str):
-                    options[key] = value
-        options.update(kwargs)
-        return cls(directory / "vocab.txt", **options)
+    # from_pretrained, save_pretrained, special tokens, __len__ / vocab_size, convert_tokens_to_ids,
+    # convert_ids_to_tokens, decode and batch_decode: TokenizerBase.
 
-    def save_pretrained(self, directory: str | Path) -> None:
-        """Write vocab.txt and tokenizer_config.json (atomically) so that from_pretrained, and HF, load them."""
-        from fastbert.io import atomic_write_text
-        directory = Path(directory)
-        atomic_write_text(directory / "vocab.txt", "".join(t + "\n" for t in self.ids_to_tokens))
-        config = {"tokenizer_class": "BertTokenizer", "do_lower_case": self.lowercase,
-                  "strip_accents": self.strip_accents, "tokenize_chinese_chars": self.tokenize_chinese_chars,
-                  "max_input_chars_per_word": self.max_input_chars_per_word,
-                  **{name: getattr(self, name) for name in SPECIAL_TOKEN_NAMES}}
-        if self.model_max_length is not None:
-            config["model_max_length"] = self.model_max_length
-        atomic_write_text(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
-
-    # -- vocabulary and special tokens -----------------------------------------------------------
-
-    def __len__(self) -> int:
-        return len(self.ids_to_tokens)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.ids_to_tokens)
-
-    def _special_id(self, name: str) -> int:
-        token = getattr(self, name)
-        idx = self.vocab.get(token)
-        if idx is None:
-            raise ValueError(f"vocab file {self.vocab_path} has no {token!r} token ({name}), which this call needs. "
-                             f"Add it to the vocabulary (BERT: [PAD]=0, [UNK]=100, [CLS]=101, [SEP]=102, "
-                             f"[MASK]=103) or pass {name}= the token your vocabulary uses.")
-        return idx
-
-    unk_token_id = property(lambda self: self._special_id("unk_token"))
-    sep_token_id = property(lambda self: self._special_id("sep_token"))
-    pad_token_id = property(lambda self: self._special_id("pad_token"))
-    cls_token_id = property(lambda self: self._special_id("cls_token"))
-    mask_token_id = property(lambda self: self._special_id("mask_token"))
-
-    @property
-    def all_special_tokens(self) -> list[str]:
-        return [getattr(self, name) for name in SPECIAL_TOKEN_NAMES]
-
-    @property
-    def all_special_ids(self) -> list[int]:
-        """Ids of the special tokens present in the vocabulary."""
-        return [self.vocab[t] for t in self.all_special_tokens if t in self.vocab]
-
-    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | list[int]:
-        """Id of each token; tokens not in the vocabulary give the [UNK] id."""
-        unk = self.unk_token_id
-        if isinstance(tokens, str):
-            return self.vocab.get(tokens, unk)
-        return [self.vocab.get(t, unk) for t in tokens]
-
-    def convert_ids_to_tokens(self, ids, skip_special_tokens: bool = False) -> str | list[str]:
-        if isinstance(ids, (int, np.integer)) or (hasattr(ids, "ndim") and ids.ndim == 0):
-            return self.ids_to_tokens[self._check_id(int(ids))]
-        special = set(self.all_special_ids) if skip_special_tokens else ()
-        return [self.ids_to_tokens[self._check_id(i)] for i in _to_list(ids) if i not in special]
-
-    def _check_id(self, i: int) -> int:
-        if not 0 <= i < len(self.ids_to_tokens):
-            raise ValueError(f"token id {i} is out of range for the vocabulary of {len(self.ids_to_tokens)} tokens "
-                             f"({self.vocab_path}); were the ids made with another vocabulary?")
-        return i
+    # decode / batch_decode refuse a bare int (list(5) raises TypeError), unlike the reference.
+    @staticmethod
+    def _id_list(ids) -> list:
+        return _to_list(ids)
 
     # -- encoding --------------------------------------------------------------------------------
 
@@ -334,25 +230,6 @@ class WordPieceTokenizer:
             rows = [_row_list(row, key) for row in value]
             out[key] = rows if batched else rows[0]
         return out
-
-    # -- decoding --------------------------------------------------------------------------------
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        """Text of ``ids``: pieces joined by spaces, "##" continuations glued on, and HF's per-token
-        clean-up (" ." -> ".", " ," -> ",", " n't" -> "n't", ...)."""
-        tokens = self.convert_ids_to_tokens(_to_list(ids), skip_special_tokens=skip_special_tokens)
-        parts = []
-        for i, tok in enumerate(tokens):
-            if i > 0:
-                tok = tok[2:] if tok.startswith("##") else " " + tok
-            for dirty, clean in _DECODE_CLEANUP:
-                tok = tok.replace(dirty, clean)
-            parts.append(tok)
-        return "".join(parts)
-
-    def batch_decode(self, sequences, skip_special_tokens: bool = True) -> list[str]:
-        return [self.decode(ids, skip_special_tokens) for ids in _to_list(sequences)]
-
 
 # ------------------------------------------------------------------------------------------------
 # Helpers
