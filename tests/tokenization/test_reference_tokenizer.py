@@ -1,57 +1,26 @@
 """The pure-Python reference tokenizer: golden cases, bad input, and exact parity (ids AND offsets)
 with HF ``BertTokenizerFast`` on real text in many languages for the four BERT vocabularies.
 
-HF is loaded with ``BertTokenizerFast.from_pretrained(dir, ...)``: in transformers 5,
-``BertTokenizerFast(vocab_file=...)`` silently ignores the file and builds an empty vocabulary.
+HF set-up and the corpus: tokenizer_testing.py.
 """
 from __future__ import annotations
 
 import json
-import lzma
 import unicodedata
-import zipfile
 
 import pytest
 
 from fastbert.tokenization.reference import BasicTokenizer, ReferenceTokenizer
+from tokenizer_testing import CONFIG_IDS, CONFIGS, first_mismatch, read_corpus, tokenizer_and_hf
 
 transformers = pytest.importorskip("transformers")
 BertTokenizerFast = transformers.BertTokenizerFast
-
-# (vocab directory, ReferenceTokenizer / HF options). The first four are the vocabularies as
-# published; the others exercise the remaining option combinations.
-CONFIGS = [
-    ("bert-base-uncased", dict(lowercase=True)),
-    ("bert-base-cased", dict(lowercase=False)),
-    ("bert-base-multilingual-cased", dict(lowercase=False)),
-    ("bert-base-chinese", dict(lowercase=False)),
-    ("bert-base-uncased", dict(lowercase=True, strip_accents=False)),
-    ("bert-base-multilingual-cased", dict(lowercase=False, strip_accents=True, tokenize_chinese_chars=False)),
-]
-CONFIG_IDS = [f"{name}-{'-'.join(f'{k}={v}' for k, v in opts.items())}" for name, opts in CONFIGS]
-
-
-def hf_options(opts: dict) -> dict:
-    out = {"do_lower_case": opts["lowercase"]}
-    for key in ("strip_accents", "tokenize_chinese_chars"):
-        if key in opts:
-            out[key] = opts[key]
-    return out
 
 
 @pytest.fixture(scope="module")
 def corpus(data_dir) -> list[str]:
     """~10k real lines: English Wikipedia, UD Chinese and Japanese, every UDHR translation."""
-    lines: list[str] = []
-    for name in ("wiki_00.xz", "wiki_17.xz"):
-        with lzma.open(data_dir / "pretrain" / "enwiki_wikiextractor" / name, "rt", encoding="utf-8") as f:
-            lines += [line for line in f.read().split("\n") if line.strip()][:1500]
-    for name in ("ja_gsd_test.txt", "zh_simplified_gsd_test.txt"):
-        lines += (data_dir / "multilingual" / "ud_gsd" / "text" / name).read_text(encoding="utf-8").split("\n")
-    with zipfile.ZipFile(data_dir / "multilingual" / "udhr2.zip") as z:
-        for name in sorted(z.namelist()):
-            if name.endswith(".txt"):
-                lines += z.read(name).decode("utf-8").split("\n")[:16]
+    lines, _ = read_corpus(data_dir, udhr_lines_per_file=16)
     assert len(lines) >= 9000
     return lines
 
@@ -59,19 +28,7 @@ def corpus(data_dir) -> list[str]:
 @pytest.fixture(scope="module", params=range(len(CONFIGS)), ids=CONFIG_IDS)
 def pair(request, data_dir):
     """(ReferenceTokenizer, HF BertTokenizerFast) with the same vocabulary and options."""
-    name, opts = CONFIGS[request.param]
-    directory = data_dir / "vocab" / name
-    ref = ReferenceTokenizer(directory / "vocab.txt", **opts)
-    hf = BertTokenizerFast.from_pretrained(str(directory), **hf_options(opts))
-    assert len(hf) == len(ref)  # guards against HF silently loading another vocabulary
-    return ref, hf
-
-
-def _first_mismatch(lines, ours, theirs):
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-        if a != b:
-            return f"line {i}: {lines[i]!r}\n ours: {a}\n HF:   {b}"
-    return None
+    return tokenizer_and_hf(ReferenceTokenizer, data_dir, request.param)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -82,9 +39,9 @@ def test_ids_and_offsets_match_hf(pair, corpus):
     ref, hf = pair
     ours = ref.encode_batch(corpus, return_offsets=True)
     theirs = hf(corpus, return_offsets_mapping=True)
-    assert ours["input_ids"] == theirs["input_ids"], _first_mismatch(corpus, ours["input_ids"], theirs["input_ids"])
+    assert ours["input_ids"] == theirs["input_ids"], first_mismatch(corpus, ours["input_ids"], theirs["input_ids"])
     hf_offsets = [[tuple(o) for o in row] for row in theirs["offset_mapping"]]
-    assert ours["offsets"] == hf_offsets, _first_mismatch(corpus, ours["offsets"], hf_offsets)
+    assert ours["offsets"] == hf_offsets, first_mismatch(corpus, ours["offsets"], hf_offsets)
     assert sum(map(len, ours["input_ids"])) > 200_000  # the corpus really was tokenized
     unk = ref.unk_token_id
     assert sum(row.count(unk) for row in ours["input_ids"]) > 0  # [UNK] paths were exercised
@@ -108,7 +65,7 @@ def test_pairs_with_truncation_match_hf(pair, corpus, max_length):
     ours = ref.encode_batch(firsts, seconds, max_length=max_length, truncation=True, return_offsets=True)
     theirs = hf(firsts, seconds, max_length=max_length, truncation=True, return_offsets_mapping=True)
     for key in ("input_ids", "token_type_ids", "attention_mask"):
-        assert ours[key] == theirs[key], _first_mismatch(firsts, ours[key], theirs[key])
+        assert ours[key] == theirs[key], first_mismatch(firsts, ours[key], theirs[key])
     assert ours["offsets"] == [[tuple(o) for o in row] for row in theirs["offset_mapping"]]
     assert max(map(len, ours["input_ids"])) == max_length
 
@@ -190,7 +147,7 @@ def test_every_stable_code_point_matches_hf(options):
     theirs = [(w, off) for w, off, _ in pts.get_splits(offset_referential="original", offset_type="char")]
     ours = [(w, (pos[0], pos[-1] + 1)) for w, pos in BasicTokenizer(**options).split(text)]
     assert len(ours) == len(theirs)
-    assert ours == theirs, _first_mismatch([text] * len(ours), ours, theirs)
+    assert ours == theirs, first_mismatch([text] * len(ours), ours, theirs)
 
 
 def test_from_pretrained_matches_hf_on_minilm(minilm_dir, corpus):

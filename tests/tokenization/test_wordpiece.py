@@ -2,65 +2,29 @@
 reference on real text in many languages for the four BERT vocabularies; every code point vs HF's
 normalizer + pre-tokenizer; pairs, truncation, padding, tensors, threads; golden cases; bad input.
 
-HF is loaded with ``BertTokenizerFast.from_pretrained(dir, ...)``: in transformers 5,
-``BertTokenizerFast(vocab_file=...)`` silently ignores the file and builds an empty vocabulary.
+HF set-up and the corpus: tokenizer_testing.py.
 """
 from __future__ import annotations
 
-import lzma
 import threading
 import time
-import zipfile
 
 import numpy as np
 import pytest
 
 from fastbert.tokenization.reference import ReferenceTokenizer
 from fastbert.tokenization.wordpiece import WordPieceTokenizer
+from tokenizer_testing import CONFIG_IDS, CONFIGS, first_mismatch, load_hf, read_corpus, tokenizer_and_hf
 
 transformers = pytest.importorskip("transformers")
 BertTokenizerFast = transformers.BertTokenizerFast
-
-# (vocab directory, options). The first four are the vocabularies as published; the others
-# exercise the remaining option combinations.
-CONFIGS = [
-    ("bert-base-uncased", dict(lowercase=True)),
-    ("bert-base-cased", dict(lowercase=False)),
-    ("bert-base-multilingual-cased", dict(lowercase=False)),
-    ("bert-base-chinese", dict(lowercase=False)),
-    ("bert-base-uncased", dict(lowercase=True, strip_accents=False)),
-    ("bert-base-multilingual-cased", dict(lowercase=False, strip_accents=True, tokenize_chinese_chars=False)),
-]
-CONFIG_IDS = [f"{name}-{'-'.join(f'{k}={v}' for k, v in opts.items())}" for name, opts in CONFIGS]
-
-
-def hf_options(opts: dict) -> dict:
-    out = {"do_lower_case": opts["lowercase"]}
-    for key in ("strip_accents", "tokenize_chinese_chars"):
-        if key in opts:
-            out[key] = opts[key]
-    return out
-
-
-def load_hf(directory, opts):
-    hf = BertTokenizerFast.from_pretrained(str(directory), **hf_options(opts))
-    return hf
 
 
 @pytest.fixture(scope="module")
 def corpus(data_dir) -> list[str]:
     """~12k real lines: English Wikipedia, UD Chinese and Japanese, the first lines of every UDHR translation."""
-    lines: list[str] = []
-    for name in ("wiki_00.xz", "wiki_17.xz"):
-        with lzma.open(data_dir / "pretrain" / "enwiki_wikiextractor" / name, "rt", encoding="utf-8") as f:
-            lines += [line for line in f.read().split("\n") if line.strip()][:1500]
-    for name in ("ja_gsd_test.txt", "zh_simplified_gsd_test.txt"):
-        lines += (data_dir / "multilingual" / "ud_gsd" / "text" / name).read_text(encoding="utf-8").split("\n")
-    with zipfile.ZipFile(data_dir / "multilingual" / "udhr2.zip") as z:
-        names = sorted(n for n in z.namelist() if n.endswith(".txt"))
-        assert len(names) > 380
-        for name in names:
-            lines += z.read(name).decode("utf-8").split("\n")[:20]
+    lines, n_udhr = read_corpus(data_dir, udhr_lines_per_file=20)
+    assert n_udhr > 380
     assert len(lines) >= 11000
     return lines
 
@@ -68,12 +32,7 @@ def corpus(data_dir) -> list[str]:
 @pytest.fixture(scope="module", params=range(len(CONFIGS)), ids=CONFIG_IDS)
 def pair(request, data_dir):
     """(WordPieceTokenizer, HF BertTokenizerFast) with the same vocabulary and options."""
-    name, opts = CONFIGS[request.param]
-    directory = data_dir / "vocab" / name
-    ours = WordPieceTokenizer(directory / "vocab.txt", **opts)
-    hf = load_hf(directory, opts)
-    assert len(hf) == len(ours)  # guards against HF silently loading another vocabulary
-    return ours, hf
+    return tokenizer_and_hf(WordPieceTokenizer, data_dir, request.param)
 
 
 @pytest.fixture(scope="module")
@@ -84,13 +43,6 @@ def uncased(data_dir):
 @pytest.fixture(scope="module")
 def hf_uncased(data_dir):
     return load_hf(data_dir / "vocab" / "bert-base-uncased", dict(lowercase=True))
-
-
-def _first_mismatch(lines, ours, theirs):
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-        if a != b:
-            return f"line {i}: {lines[i]!r}\n ours: {a}\n HF:   {b}"
-    return None
 
 
 def _hf_offsets(enc):
@@ -105,9 +57,9 @@ def test_ids_and_offsets_match_hf(pair, corpus):
     ours, hf = pair
     got = ours(corpus, return_offsets_mapping=True)
     theirs = hf(corpus, return_offsets_mapping=True)
-    assert got["input_ids"] == theirs["input_ids"], _first_mismatch(corpus, got["input_ids"], theirs["input_ids"])
+    assert got["input_ids"] == theirs["input_ids"], first_mismatch(corpus, got["input_ids"], theirs["input_ids"])
     hf_offsets = _hf_offsets(theirs)
-    assert got["offset_mapping"] == hf_offsets, _first_mismatch(corpus, got["offset_mapping"], hf_offsets)
+    assert got["offset_mapping"] == hf_offsets, first_mismatch(corpus, got["offset_mapping"], hf_offsets)
     assert got["token_type_ids"] == theirs["token_type_ids"]
     assert sum(map(len, got["input_ids"])) > 200_000  # the corpus really was tokenized
     unk = ours.unk_token_id
@@ -123,9 +75,9 @@ def test_ids_and_offsets_match_reference(index, data_dir, corpus):
     got = ours.encode_batch(lines, return_offsets=True)
     expected = ref.encode_batch(lines, return_offsets=True)
     ids = [row.tolist() for row in got["input_ids"]]
-    assert ids == expected["input_ids"], _first_mismatch(lines, ids, expected["input_ids"])
+    assert ids == expected["input_ids"], first_mismatch(lines, ids, expected["input_ids"])
     offsets = [[tuple(o) for o in row.tolist()] for row in got["offsets"]]
-    assert offsets == expected["offsets"], _first_mismatch(lines, offsets, expected["offsets"])
+    assert offsets == expected["offsets"], first_mismatch(lines, offsets, expected["offsets"])
 
 
 def test_tokenize_and_decode_match_hf(pair, corpus):
@@ -165,7 +117,7 @@ def test_every_code_point_matches_hf_normalizer_and_pre_tokenizer(data_dir, opti
     theirs = [(w, off) for w, off, _ in pts.get_splits(offset_referential="original", offset_type="char")]
     got = ours._core.pre_tokenize(text)
     assert len(got) == len(theirs)
-    assert got == theirs, _first_mismatch([text] * len(got), got, theirs)
+    assert got == theirs, first_mismatch([text] * len(got), got, theirs)
 
 
 def test_canonical_reordering_matches_hf(hf_uncased, uncased, data_dir):
@@ -204,7 +156,7 @@ def test_pairs_with_truncation_match_hf(pair, corpus, max_length):
     got = ours(firsts, seconds, max_length=max_length, truncation=True, return_offsets_mapping=True)
     theirs = hf(firsts, seconds, max_length=max_length, truncation=True, return_offsets_mapping=True)
     for key in ("input_ids", "token_type_ids", "attention_mask"):
-        assert got[key] == theirs[key], _first_mismatch(firsts, got[key], theirs[key])
+        assert got[key] == theirs[key], first_mismatch(firsts, got[key], theirs[key])
     assert got["offset_mapping"] == _hf_offsets(theirs)
     assert max(map(len, got["input_ids"])) == max_length
 
