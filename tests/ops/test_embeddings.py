@@ -9,19 +9,9 @@ import torch
 
 from fastbert.ops._common import dropout_mask
 from fastbert.ops.embeddings import bert_embeddings, bert_embeddings_ref
+from ops_testing import DEVICE, assert_compiled_matches_eager, assert_within
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-ATOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 TABLES = ("word", "position", "type", "ln_weight", "ln_bias")
-
-
-def assert_within(name, out, same, ref, dtype):
-    """|out - ref| <= 2 |same - ref| + atol * max(1, |ref|), elementwise maxima."""
-    ref = ref.double()
-    err = (out.double() - ref).abs().max().item()
-    err_same = (same.double() - ref).abs().max().item()
-    atol = ATOL[dtype] * max(1.0, ref.abs().max().item())
-    assert err <= 2 * err_same + atol, f"{name}: kernel err {err:.3g} > 2 * torch err {err_same:.3g} + {atol:.3g}"
 
 
 def make_inputs(tokens, hidden, vocab, max_pos, n_types, dtype, padding_idx=None):
@@ -131,13 +121,7 @@ def test_custom_op_and_torch_compile():
     def f(*tables):
         return (bert_embeddings(*idv, *tables, 1e-12, dropout_p=0.1, seed=3, padding_idx=0) ** 2).sum()
 
-    eager = [params[k].clone().requires_grad_() for k in TABLES]
-    comp = [params[k].clone().requires_grad_() for k in TABLES]
-    le = f(*eager)
-    lc = torch.compile(f, backend="aot_eager", fullgraph=True)(*comp)
-    torch.testing.assert_close(lc, le)
-    for a, c in zip(torch.autograd.grad(le, eager), torch.autograd.grad(lc, comp)):
-        torch.testing.assert_close(c, a)
+    assert_compiled_matches_eager(f, [params[k] for k in TABLES])
 
 
 @pytest.mark.gpu

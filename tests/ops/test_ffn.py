@@ -8,18 +8,7 @@ import pytest
 import torch
 
 from fastbert.ops.ffn import linear_bias_gelu, linear_bias_gelu_ref
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-ATOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
-
-
-def assert_within(name, out, same, ref, dtype):
-    """|out - ref| <= 2 |same - ref| + atol * max(1, |ref|), elementwise maxima."""
-    ref = ref.double()
-    err = (out.double() - ref).abs().max().item()
-    err_same = (same.double() - ref).abs().max().item()
-    atol = ATOL[dtype] * max(1.0, ref.abs().max().item())
-    assert err <= 2 * err_same + atol, f"{name}: kernel err {err:.3g} > 2 * torch err {err_same:.3g} + {atol:.3g}"
+from ops_testing import DEVICE, assert_compiled_matches_eager, assert_within
 
 
 def make_inputs(lead, k, n, dtype, has_bias=True):
@@ -101,13 +90,7 @@ def test_custom_op_and_torch_compile():
     def f(x, w, b):
         return (linear_bias_gelu(x, w, b, "tanh") ** 2).sum()
 
-    eager = [t.clone().requires_grad_() for t in (x, w, b)]
-    comp = [t.clone().requires_grad_() for t in (x, w, b)]
-    le = f(*eager)
-    lc = torch.compile(f, backend="aot_eager", fullgraph=True)(*comp)
-    torch.testing.assert_close(lc, le)
-    for a, c in zip(torch.autograd.grad(le, eager), torch.autograd.grad(lc, comp)):
-        torch.testing.assert_close(c, a)
+    assert_compiled_matches_eager(f, (x, w, b))
 
 
 @pytest.mark.gpu

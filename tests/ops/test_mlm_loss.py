@@ -10,19 +10,9 @@ import torch.nn.functional as F
 
 import fastbert.ops.mlm_loss as mlm
 from fastbert.ops.mlm_loss import mlm_transform_ref, sparse_mlm_loss, sparse_mlm_loss_ref
+from ops_testing import DEVICE, assert_compiled_matches_eager, assert_within
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-ATOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 PARAMS = ("hidden", "dense_weight", "dense_bias", "ln_weight", "ln_bias", "decoder_weight", "decoder_bias")
-
-
-def assert_within(name, out, same, ref, dtype):
-    """|out - ref| <= 2 |same - ref| + atol * max(1, |ref|), elementwise maxima."""
-    ref = ref.double()
-    err = (out.double() - ref).abs().max().item()
-    err_same = (same.double() - ref).abs().max().item()
-    atol = ATOL[dtype] * max(1.0, ref.abs().max().item())
-    assert err <= 2 * err_same + atol, f"{name}: kernel err {err:.3g} > 2 * torch err {err_same:.3g} + {atol:.3g}"
 
 
 def make_inputs(tokens, hidden, vocab, dtype, frac=0.4, ignore_index=-100, hit=True):
@@ -123,14 +113,8 @@ def test_custom_op_and_torch_compile():
         loss, correct = mlm.LinearCrossEntropyFn.apply(h, w, b, labels)
         return loss
 
-    eager = [t.clone().requires_grad_() for t in (h, w, b)]
-    comp = [t.clone().requires_grad_() for t in (h, w, b)]
-    le = f(*eager)
-    lc = torch.compile(f, backend="aot_eager", fullgraph=True)(*comp)
-    torch.testing.assert_close(lc, le)
+    le = assert_compiled_matches_eager(f, (h, w, b))
     torch.testing.assert_close(le, F.cross_entropy(F.linear(h, w, b), labels))
-    for a, c in zip(torch.autograd.grad(le, eager), torch.autograd.grad(lc, comp)):
-        torch.testing.assert_close(c, a)
 
 
 @pytest.mark.gpu
