@@ -109,14 +109,14 @@ def run(args) -> int:
 
 def _input_files(paths: list[str]) -> list[Path]:
     from fastbert.cli import UsageError
+    from fastbert.data.corpus import files_under
     files: list[Path] = []
     for raw in paths:
         p = Path(raw)
         if p.is_file():
             files.append(p)
         elif p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file()
-                           and not any(part.startswith(".") for part in f.relative_to(p).parts))
+            found = files_under(p)
             if not found:
                 raise UsageError(f"input folder {p} holds no files; pass text files (.txt, .xz, .gz, .bz2)")
             files += found

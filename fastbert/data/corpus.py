@@ -29,6 +29,13 @@ class CorpusError(ValueError):
 
 
 # ------------------------------------------------------------------------------------- files
+def files_under(folder: Path) -> list[Path]:
+    """The files below ``folder``, recursively and sorted; hidden files and folders (".name") are
+    skipped. Shared with the ``tokenize`` command's input listing."""
+    return sorted(f for f in folder.rglob("*") if f.is_file()
+                  and not any(part.startswith(".") for part in f.relative_to(folder).parts))
+
+
 def list_corpus_files(paths) -> list[Path]:
     """Expand files and folders (recursively, hidden entries skipped) into a sorted file list."""
     if isinstance(paths, (str, os.PathLike)):
@@ -39,8 +46,7 @@ def list_corpus_files(paths) -> list[Path]:
         if p.is_file():
             files.append(p)
         elif p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file()
-                           and not any(part.startswith(".") for part in f.relative_to(p).parts))
+            found = files_under(p)
             if not found:
                 raise CorpusError(f"corpus folder {p} holds no files; point --corpus at .txt/.xz/.gz files "
                                   "or WikiExtractor output")
