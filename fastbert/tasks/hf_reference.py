@@ -27,8 +27,10 @@ def load_hf_model(task, model_dir, seed: int, attn_implementation: str = "sdpa",
     fb = task.model_cls.from_pretrained(model_dir, **kwargs, **config_overrides)
     hf_cls = getattr(transformers, task.model_cls.__name__)
     hf_kwargs = {k: v for k, v in kwargs.items() if k in ("num_labels", "problem_type", "id2label")}
-    hf = hf_cls.from_pretrained(str(model_dir), attn_implementation=attn_implementation, **hf_kwargs,
-                                **config_overrides)
+    # fp32 weights whatever the checkpoint's dtype (the GPU run carries a bf16 copy): HF trains with
+    # fp32 master weights under autocast, fastbert with DeepSpeed's fp32 master copy.
+    hf = hf_cls.from_pretrained(str(model_dir), attn_implementation=attn_implementation, dtype=torch.float32,
+                                **hf_kwargs, **config_overrides)
     fb_state = fb.state_dict()
     with torch.no_grad():
         for prefix in task.model_cls.head_prefixes:
