@@ -10,8 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fastbert.config import BertConfig
-from fastbert.model import (BertModel, BertPreTrainedModel, ModelOutput, _reject_unsupported, gelu_approx,
-                            padded_attentions, padded_hidden_states)
+from fastbert.model import (BertModel, BertPreTrainedModel, ModelOutput, _reject_unsupported, first_token_rows,
+                            gelu_approx, padded_attentions, padded_hidden_states)
 from fastbert.ops.mlm_loss import mlm_transform_ref
 from fastbert.padding import pad
 
@@ -93,8 +93,7 @@ class BertForPreTraining(_MLMModel):
         _reject_unsupported(unused)
         x, info, hidden, attn = self.bert.run(input_ids, attention_mask, token_type_ids, position_ids,
                                               output_attentions, output_hidden_states)
-        cls_rows = x.index_select(0, info.cu_seqlens[:-1].long())  # (B, H): first token of each sequence
-        nsp_logits = self.cls.seq_relationship(self.bert.pooler(cls_rows))
+        nsp_logits = self.cls.seq_relationship(self.bert.pooler(first_token_rows(x, info)))  # (B, 2)
         mlm_loss, logits, correct, count = self._mlm(x, info, labels)
         loss = mlm_loss
         nsp_correct = None

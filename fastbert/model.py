@@ -358,6 +358,16 @@ class BertModel(BertPreTrainedModel):
         return out if return_dict else out.to_tuple()
 
 
+def first_token_rows(x: torch.Tensor, info: Unpadded) -> torch.Tensor:
+    """``(batch, hidden)``: each sequence's first token ([CLS]) from the unpadded ``(tokens, hidden)``;
+    zeros for empty sequences (all-padding rows)."""
+    if x.shape[0] == 0:
+        return x.new_zeros(info.batch, x.shape[1])
+    lengths = info.cu_seqlens[1:] - info.cu_seqlens[:-1]
+    rows = x.index_select(0, info.cu_seqlens[:-1].long().clamp(max=x.shape[0] - 1))
+    return rows * (lengths > 0).unsqueeze(1).to(x.dtype)
+
+
 def padded_hidden_states(hidden, info: Unpadded):
     return tuple(pad(h, info) for h in hidden) if hidden is not None else None
 

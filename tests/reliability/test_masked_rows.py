@@ -1,9 +1,6 @@
 """Fully masked rows never produce NaN: sequences of length zero (attention mask all 0) and batches
 whose MLM labels are all ignored (-100), through the whole model with kernels="torch" and "triton"
-(the interpreter on the CPU): the loss and every gradient are finite, and the two kernel paths agree.
-
-Cases that still fail in code this suite does not own are strict xfails naming the fix (they turn
-into failures, to be un-marked, once fixed)."""
+(the interpreter on the CPU): the loss and every gradient are finite, and the two kernel paths agree."""
 from __future__ import annotations
 
 import pytest
@@ -47,27 +44,14 @@ def _run(cls, kernels: str, case: str):
     return out.loss.detach(), grads
 
 
-HEADS_FIX = ("fastbert/heads.py BertForPreTraining.forward: cls_rows = x.index_select(0, cu_seqlens[:-1]) indexes "
-             "past the last token for an empty final row and fails on an empty batch; take the first token only "
-             "of non-empty rows (zeros for empty ones)")
-LN_FIX = ("fastbert/ops/layer_norm.py DropoutAddLayerNormFn.backward: with 0 tokens the d(residual) placeholder "
-          "(shape [0]) is returned as is; use `elif dres.shape != residual.shape: dres = dx`")
-
 CASES = ["no_labels", "middle_row_empty", "last_row_empty", "all_rows_empty"]
-KNOWN = {
-    ("BertForPreTraining", "last_row_empty"): HEADS_FIX,
-    ("BertForPreTraining", "all_rows_empty"): HEADS_FIX,
-    ("BertForMaskedLM", "all_rows_empty", "triton"): LN_FIX,
-}
 
 
 def _params():
     for cls in (fastbert.BertForMaskedLM, fastbert.BertForPreTraining):
         for case in CASES:
             for kernels in ("torch", "triton"):
-                reason = KNOWN.get((cls.__name__, case)) or KNOWN.get((cls.__name__, case, kernels))
-                marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-                yield pytest.param(cls, case, kernels, marks=marks, id=f"{cls.__name__}-{case}-{kernels}")
+                yield pytest.param(cls, case, kernels, id=f"{cls.__name__}-{case}-{kernels}")
 
 
 @pytest.mark.parametrize("cls,case,kernels", list(_params()))
