@@ -1,6 +1,9 @@
 """Training through DeepSpeed: the engine wrapper (``engine.build_engine``), learning-rate schedules
-over steps or a wall-clock budget (``schedules``), checkpoints with exact resume (``checkpoint``),
-logging (``logging``), optimizers (``optim``) and the pretraining loop (``pretrain``).
+over steps or a wall-clock budget (``schedules``), checkpoints with exact resume (``checkpoint``,
+``resume``) and HF weights in every checkpoint (``hf_export``), logging (``logging``), optimizers
+(``optim``), the pretraining loop (``pretrain``, ``pretrain_metrics``), and reliability: the spike /
+NaN guard (``guard``), multi-node preflight and heartbeat watchdog (``preflight``), deterministic
+mode (``determinism``), run manifests (``manifest``) and seed sweeps (``seeds``).
 
 DeepSpeed is imported only when an engine is built, so importing this package is cheap."""
 from fastbert.training.engine import DistInfo, TrainEngine, build_engine, init_distributed

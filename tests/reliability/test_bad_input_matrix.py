@@ -212,7 +212,7 @@ def results(data_dir, tmp_path_factory):
     with ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 2))) as pool:
         futures = {row.id: pool.submit(_run_row, row, inputs, root) for row in ROWS}
         out = {k: f.result() for k, f in futures.items()}
-    (root / "bad_input_table.md").write_text(markdown_table(out) + "\n")   # for the README
+    (root / "bad_input_table.md").write_text(markdown_table(out, root) + "\n")   # for the README
     return out
 
 
@@ -237,12 +237,14 @@ def test_bad_input(row, results):
         assert r["unchanged"], f"{row.id} changed the existing output folder: {r['listing']}"
 
 
-def markdown_table(results: dict) -> str:
-    """README rows: command | bad input | exit | message (first 160 characters)."""
+def markdown_table(results: dict, root: Optional[Path] = None) -> str:
+    """README rows: command | bad input | exit | message (first 160 characters; paths under ``root``
+    shown relative to it)."""
     lines = ["| command | bad input | exit | message |", "|---|---|---|---|"]
     for row in ROWS:
         r = results[row.id]
         msg = error_message(row, r) or "(no error message: " + (r["stderr"].strip().splitlines() or ["-"])[-1][:80] + ")"
+        msg = msg.replace(f"{root}/", "") if root is not None else msg
         msg = msg.replace("|", "\\|")
         lines.append(f"| {row.args[0]} | {row.what} | {r['rc']} | {msg[:160]}{'...' if len(msg) > 160 else ''} |")
     return "\n".join(lines)

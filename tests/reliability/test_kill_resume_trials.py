@@ -55,6 +55,8 @@ def test_five_random_kills_resume_bit_identical(slice32, reference, tmp_path):
         kills.append((target, round(delay, 3), max(r["step"] for r in records(out))))
     final = launch(cli_cmd(cfg), tmp_path / "log_final.txt")
     wait(final, tmp_path / "log_final.txt")
+    print(f"kills (step waited for, extra delay s, last logged step): {kills}; "
+          f"resumed from {[r['tag'] for r in records(out, 'resume')]}")
 
     resumes = records(out, "resume")
     assert len(resumes) >= TRIALS - 1, (kills, resumes)   # a kill before the first checkpoint restarts fresh
