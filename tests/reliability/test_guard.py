@@ -246,3 +246,22 @@ def test_manifests(faulty_run):
     assert final["guard"] == {"skipped_steps": 5, "rollbacks": 1}
     m15 = json.loads((out / "checkpoints" / "step_00000015" / "manifest.json").read_text())
     assert m15["step"] == 15 and m15["final"] is False and m15["data"]["data_skip"] == 5
+
+
+def test_two_ranks_skip_in_agreement(data_dir, tmp_path):
+    """Faults injected on rank 0 only (ZeRO-2, two ranks): both ranks skip the same steps, so every
+    optimizer partition took the same number of Adam steps."""
+    from reliability_harness import run, torchrun_cmd
+    data = prepare_slice(data_dir, tmp_path / "data", num_files=1, seq_len=32)
+    out = tmp_path / "out"
+    cfg = tiny_config(data, out, steps=8, ckpt_every=None,
+                      guard={"min_history": 2, "inject_nan_steps": [3], "inject_spike_steps": [5]},
+                      train={"zero_stage": 2})
+    run(torchrun_cmd(write_config(tmp_path / "cfg.json", cfg), nproc=2), tmp_path / "log.txt")
+    assert [(e["data_step"], e["reason"]) for e in records(out, "guard")] == [(3, "nonfinite_loss"), (5, "loss_spike")]
+    tag = out / "checkpoints" / "step_00000008"
+    for rank in (0, 1):
+        states = torch.load(tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", weights_only=False)
+        steps = {float(s["step"]) for s in states["optimizer_state_dict"]["base_optimizer_state"]["state"].values()}
+        assert steps == {6.0}, (rank, steps)
+    assert marker(out / "checkpoints", "step_00000008")["finite"]
