@@ -29,7 +29,7 @@ import torch
 from fastbert.io import atomic_write_text
 from fastbert.training import checkpoint as ckpt
 from fastbert.training import determinism, hf_export, preflight
-from fastbert.training.engine import DistInfo, TrainEngine, all_reduce_sum, barrier, build_engine, load_ds_config
+from fastbert.training.engine import DistInfo, all_reduce_sum, barrier, build_engine, load_ds_config
 from fastbert.training.guard import SpikeGuard, Verdict, install as install_guard
 from fastbert.training.logging import MetricsLogger, peak_tflops
 from fastbert.training.manifest import build_manifest, write_manifest

@@ -3,7 +3,6 @@ config (1 layer, hidden 32) on a 32-token slice of the real Wikipedia sample, an
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 

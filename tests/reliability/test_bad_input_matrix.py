@@ -22,7 +22,7 @@ from typing import Optional
 
 import pytest
 
-from reliability_harness import REPO, TINY_MODEL, cpu_env, prepare_slice, tiny_config, write_config
+from reliability_harness import TINY_MODEL, cpu_env, prepare_slice, tiny_config, write_config
 
 VOCAB = "vocab/bert-base-uncased/vocab.txt"
 
