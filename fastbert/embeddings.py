@@ -48,15 +48,18 @@ def top_k(queries: torch.Tensor, corpus: torch.Tensor, k: int) -> tuple[np.ndarr
 
 def read_lines(path, limit: int | None = None) -> list[str]:
     """Non-empty lines of a .txt/.xz/.gz file (WikiExtractor ``<doc>`` markers skipped)."""
-    from fastbert.textio import open_text
+    from fastbert.textio import READ_ERRORS, open_text, unreadable
     lines: list[str] = []
-    with open_text(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line or (line.startswith("<doc") or line == "</doc>"):
-                continue
-            lines.append(line)
-            if limit is not None and len(lines) >= limit:
-                break
+    try:
+        with open_text(path) as f:
+            for line in f:
+                line = line.strip()
+                if not line or (line.startswith("<doc") or line == "</doc>"):
+                    continue
+                lines.append(line)
+                if limit is not None and len(lines) >= limit:
+                    break
+    except READ_ERRORS as e:
+        raise unreadable(path, e) from None
     return lines
 

@@ -1,6 +1,8 @@
 """The ``kernels="triton"`` op table: the fused Triton entry points, one per op file."""
 from __future__ import annotations
 
+import torch
+
 
 def triton_ops():
     try:
@@ -10,9 +12,12 @@ def triton_ops():
                            "(or use kernels='torch')") from e
     from fastbert.ops import Ops
     from fastbert.ops import attention
-    from fastbert.ops.embeddings import bert_embeddings
+    from fastbert.ops.embeddings import bert_embeddings, bert_embeddings_ref
     from fastbert.ops.ffn import linear_bias_gelu
     from fastbert.ops.layer_norm import dropout_add_layer_norm
     from fastbert.ops.mlm_loss import sparse_mlm_loss
-    return Ops(bert_embeddings, dropout_add_layer_norm, linear_bias_gelu, attention.varlen_attention,
+    # The fused embedding backward accumulates with atomics (not bitwise run to run): deterministic mode
+    # (torch.use_deterministic_algorithms) takes the reference, whose index_add is deterministic there.
+    embeddings = bert_embeddings_ref if torch.are_deterministic_algorithms_enabled() else bert_embeddings
+    return Ops(embeddings, dropout_add_layer_norm, linear_bias_gelu, attention.varlen_attention,
                sparse_mlm_loss, attention.varlen_attention_qkvpacked)

@@ -64,8 +64,6 @@ def test_enable_sets_torch_cublas_and_triton():
     assert got == {"alg": True, "cudnn": True, "bench": False, "cublas": ":4096:8", "triton": "1", "torch_ops": []}
 
 
-@pytest.mark.xfail(strict=True, reason="needs the lead's routing in fastbert/ops/triton_ops.py: the embeddings "
-                   "op -> bert_embeddings_ref while torch.are_deterministic_algorithms_enabled()")
 def test_triton_table_has_no_atomic_ops_in_deterministic_mode():
     got = _in_fresh_process(
         "import json\n"
