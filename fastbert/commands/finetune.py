@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 EPILOG = """\
@@ -16,7 +17,8 @@ tasks and --data:
                    {"context": "...", "question": "...", "choices": ["...", ...], "label": 0}
                    (context or question may be omitted; every line needs the same number of choices)
 
-Runs in one process, or under the launcher: deepspeed --num_gpus N $(which fastbert) finetune ...
+Runs in one process, or under a launcher: deepspeed --num_gpus N --module fastbert.cli finetune ...
+(or torchrun --nproc_per_node N -m fastbert.cli finetune ...); --batch-size is per GPU.
 """
 
 
@@ -107,6 +109,8 @@ def run(args) -> int:
                                save_model=not args.no_save_model, task_options=options)
     except FinetuneError as e:
         raise UsageError(str(e)) from None
+    if os.environ.get("RANK", "0") != "0":  # under a launcher, rank 0 reports
+        return 0
     print(json.dumps({"task": summary["task"], "metrics": summary["metrics"], "output": summary["output"],
                       "train_seconds": round(summary["train"]["train_seconds"], 2)}, indent=2), file=sys.stdout)
     return 0

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 
@@ -60,6 +61,8 @@ def run(args) -> int:
                             args.kernels)
     except FinetuneError as e:
         raise UsageError(str(e)) from None
+    if os.environ.get("RANK", "0") != "0":  # under a launcher, rank 0 reports
+        return 0
     print(json.dumps({"objective": summary["objective"], "metrics": summary["metrics"], "output": summary["output"]},
                      indent=2), file=sys.stdout)
     return 0

@@ -192,7 +192,9 @@ def run_sbert(model_dir, data, objective: str, output=None, eval_data=None, args
     t0 = time.perf_counter()
     result = train(engine, features, collate, args, logger=logger, evaluate=evaluate)
     summary = {"objective": objective, "layout": layout, "model": str(model_dir),
-               "metrics": result.epoch_metrics[-1] if result.epoch_metrics else {}, "epochs": result.epoch_metrics,
+               "metrics": {k: v for k, v in (result.epoch_metrics[-1] if result.epoch_metrics else {}).items()
+                           if k not in ("epoch", "step")},
+               "epochs": result.epoch_metrics,
                "labels": labels, "score_scale": scale,
                "train": {"steps": result.steps, "train_seconds": result.train_seconds,
                          "wall_seconds": time.perf_counter() - t0, "pairs": len(features),
