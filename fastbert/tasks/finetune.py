@@ -21,7 +21,7 @@ import torch
 
 from fastbert.data.glue import TASKS as GLUE_TASKS
 from fastbert.data.glue import DataError
-from fastbert.io import atomic_write_text
+from fastbert.io import atomic_path, atomic_write_text
 from fastbert.tasks.trainer import TrainArgs, build_finetune_engine, param_groups, train
 
 log = logging.getLogger("fastbert")
@@ -81,9 +81,11 @@ def check_label_count(config: dict, model_cls: type, wanted: int, task: str) -> 
 
 
 def copy_tokenizer_files(src: Path, dst: Path) -> None:
+    """The checkpoint's tokenizer files next to the fine-tuned weights (so the output folder loads alone)."""
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
-            shutil.copyfile(src / name, dst / name)
+            with atomic_path(dst / name) as tmp:
+                shutil.copyfile(src / name, tmp)
 
 
 def run_finetune(task_name: str, data, model_dir, output: Optional[str] = None, args: Optional[TrainArgs] = None,

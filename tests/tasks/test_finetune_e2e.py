@@ -47,6 +47,7 @@ def test_squad_end_to_end(tmp_path, squad_dir, minilm_dir, tokenizer):
                            save_model=False)
     m = summary["metrics"]
     base = untrained_score("squad", squad_dir, minilm_dir, tokenizer, 128, "f1", max_eval_samples=100, **opts)
+    print("squad", m, "untrained f1", base)
     assert m["total"] == 100
     assert m["f1"] > max(15.0, base + 10.0), (m, base)
     preds = json.loads((out / "predictions.json").read_text())
@@ -65,6 +66,7 @@ def test_conll_end_to_end(tmp_path, data_dir, minilm_dir, tokenizer):
                            max_train_samples=640, max_eval_samples=200, tokenizer=tokenizer)
     m = summary["metrics"]
     base = untrained_score("ner", data, minilm_dir, tokenizer, 64, "f1", max_eval_samples=200)
+    print("ner", {k: v for k, v in m.items()}, "untrained f1", base)
     assert m["eval_sentences"] == 200
     assert m["f1"] > max(0.45, base + 0.3), (m, base)   # 0.62 seen; an untrained head scores ~0.04
     lines = (out / "predictions.conll").read_text().split("\n")
