@@ -47,6 +47,9 @@ def add_parser(sub):
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0 = off)")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--seeds", type=int, default=1, metavar="N",
+                   help="run seeds --seed .. --seed+N-1 into OUTPUT/seed-S/ and report the median and spread "
+                        "of every dev metric in OUTPUT/seeds.json (finished seeds are reused; default 1)")
     p.add_argument("--max-train-samples", type=int, default=None, help="use only the first N training examples")
     p.add_argument("--max-eval-samples", type=int, default=None, help="use only the first N dev examples")
     p.add_argument("--freeze-encoder", action="store_true",
@@ -102,13 +105,34 @@ def run(args) -> int:
                        train_file=args.train_file, eval_file=args.eval_file)
     elif args.train_file or args.eval_file:
         raise UsageError("--train-file / --eval-file are for --task squad; other tasks read --data")
-    try:
-        summary = run_finetune(task, args.data, args.model, args.output, train_args, max_seq_len=max_seq_len,
-                               max_train_samples=args.max_train_samples, max_eval_samples=args.max_eval_samples,
-                               kernels=args.kernels, eval_batch_size=args.eval_batch_size,
-                               save_model=not args.no_save_model, task_options=options)
-    except FinetuneError as e:
-        raise UsageError(str(e)) from None
+    if args.seeds < 1:
+        raise UsageError("--seeds must be >= 1")
+
+    def finetune_one(targs, output):
+        try:
+            return run_finetune(task, args.data, args.model, output, targs, max_seq_len=max_seq_len,
+                                max_train_samples=args.max_train_samples, max_eval_samples=args.max_eval_samples,
+                                kernels=args.kernels, eval_batch_size=args.eval_batch_size,
+                                save_model=not args.no_save_model, task_options=options)
+        except FinetuneError as e:
+            raise UsageError(str(e)) from None
+
+    if args.seeds > 1:
+        import dataclasses
+        from pathlib import Path
+
+        from fastbert.training.seeds import run_seeds
+        out = Path(args.output or f"runs/finetune-{task}")
+        report = run_seeds(lambda seed, seed_out: finetune_one(dataclasses.replace(train_args, seed=seed),
+                                                               str(seed_out))["metrics"],
+                           range(args.seed, args.seed + args.seeds), out,
+                           config={k: v for k, v in vars(args).items() if k != "run"},
+                           log=lambda m: print(m, file=sys.stderr))
+        if os.environ.get("RANK", "0") == "0":
+            print(json.dumps({"task": task, "seeds": report["seeds"], "summary": report["summary"],
+                              "output": str(out)}, indent=2, default=str))
+        return 0
+    summary = finetune_one(train_args, args.output)
     if os.environ.get("RANK", "0") != "0":  # under a launcher, rank 0 reports
         return 0
     print(json.dumps({"task": summary["task"], "metrics": summary["metrics"], "output": summary["output"],

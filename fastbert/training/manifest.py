@@ -120,12 +120,23 @@ def write_manifest(path, manifest: dict) -> Path:
     return path
 
 
+def _flat(scores: dict, prefix: str = "") -> dict:
+    """Nested metrics (MNLI's matched / mismatched) as ``{"matched/accuracy": ...}``."""
+    out = {}
+    for name, value in scores.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{name}/"))
+        else:
+            out[f"{prefix}{name}"] = value
+    return out
+
+
 def seed_summary(per_seed: dict) -> dict:
     """``{seed: {metric: value}}`` -> ``{metric: {median, mean, std, min, max, n, values}}`` over the
     seeds that report the metric (std is the sample standard deviation; 0 for one seed)."""
     metrics: dict[str, dict] = {}
     for seed, scores in sorted(per_seed.items()):
-        for name, value in scores.items():
+        for name, value in _flat(scores).items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 metrics.setdefault(name, {})[seed] = float(value)
     out = {}
