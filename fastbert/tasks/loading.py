@@ -41,20 +41,23 @@ def read_inputs(path, pair_separator: str = " ||| ") -> tuple[list[str], list[Op
     """Non-empty lines of a text file; a line ``a ||| b`` is the sentence pair (a, b), as in Google's
     extract_features.py."""
     from fastbert.cli import UsageError
-    from fastbert.textio import open_text
+    from fastbert.textio import READ_ERRORS, open_text, unreadable
 
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"input file not found: {path} (one text per line; 'a ||| b' for a pair)")
     texts, pairs = [], []
-    with open_text(path) as f:
-        for line in f:
-            line = line.rstrip("\n")
-            if not line.strip():
-                continue
-            a, sep, b = line.partition(pair_separator)
-            texts.append(a.strip())
-            pairs.append(b.strip() if sep else None)
+    try:
+        with open_text(path) as f:
+            for line in f:
+                line = line.rstrip("\n")
+                if not line.strip():
+                    continue
+                a, sep, b = line.partition(pair_separator)
+                texts.append(a.strip())
+                pairs.append(b.strip() if sep else None)
+    except READ_ERRORS as e:
+        raise UsageError(str(unreadable(path, e))) from None
     if not texts:
         raise UsageError(f"{path} has no text lines")
     return texts, pairs
