@@ -65,9 +65,16 @@ def check_checkpoint(model_dir: Path) -> dict:
             raise FinetuneError(f"{model_dir} has no {need}: pass an HF BERT checkpoint directory "
                                 "(config.json, model.safetensors or pytorch_model.bin, vocab.txt)")
     try:
-        return json.loads((model_dir / "config.json").read_text())
+        config = json.loads((model_dir / "config.json").read_text())
     except json.JSONDecodeError as e:
         raise FinetuneError(f"{model_dir / 'config.json'} is not valid JSON ({e})") from None
+    with open(model_dir / "vocab.txt", encoding="utf-8", errors="replace") as f:
+        vocab_lines = sum(1 for _ in f)
+    vocab_size = config.get("vocab_size")
+    if isinstance(vocab_size, int) and vocab_lines > vocab_size:
+        raise FinetuneError(f"{model_dir / 'vocab.txt'} has {vocab_lines} tokens but the model's vocab_size is "
+                            f"{vocab_size}: token ids would fall outside the vocabulary; use the model's own vocab.txt")
+    return config
 
 
 def check_label_count(config: dict, model_cls: type, wanted: int, task: str) -> None:
