@@ -72,19 +72,31 @@ def init_distributed(timeout_s: float = 1800.0) -> DistInfo:
     if not has_cuda:
         # DeepSpeed picks its accelerator at import time; without CUDA it must be told "cpu".
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    own_port = False
     if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        own_port = "MASTER_PORT" not in os.environ
+        if own_port:
+            os.environ["MASTER_PORT"] = str(_free_port())
     import deepspeed
     import torch.distributed as dist
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if has_cuda:
         torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if has_cuda else "gloo",
-                                   timeout=timedelta(seconds=timeout_s), verbose=False)
+    for attempt in range(5):
+        if dist.is_initialized():
+            break
+        try:
+            deepspeed.init_distributed(dist_backend="nccl" if has_cuda else "gloo",
+                                       timeout=timedelta(seconds=timeout_s), verbose=False)
+        except RuntimeError as e:
+            # A world of one picks a free port itself; another process can take it between the pick and
+            # the bind (EADDRINUSE): pick another. A launcher's port is never changed.
+            if not (own_port and "EADDRINUSE" in str(e) and attempt < 4):
+                raise
+            os.environ["MASTER_PORT"] = str(_free_port())
     world = dist.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
     device = torch.device("cuda", local_rank) if has_cuda else torch.device("cpu")
