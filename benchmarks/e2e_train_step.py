@@ -204,7 +204,7 @@ def main(argv=None):
               f"{r['check_loss']:.4f}  peak {r['peak_mem_gb']:.1f} GB", flush=True)
     base = {r["contender"]: r for r in results}
     ref = base.get("hf-sdpa")
-    print(f"\n| contender | ms/step | seq/s | tokens/s | model TFLOP/s | MFU | peak GB | loss diff vs hf-sdpa | "
+    print("\n| contender | ms/step | seq/s | tokens/s | model TFLOP/s | MFU | peak GB | loss diff vs hf-sdpa | "
           f"x hf-sdpa | x hf-compile |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:

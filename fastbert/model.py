@@ -8,7 +8,6 @@ so ``kernels="torch"`` (reference) and ``kernels="triton"`` (fused) share one mo
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -17,7 +16,7 @@ import torch.nn.functional as F
 from fastbert.config import BertConfig
 from fastbert.ops import get_ops
 from fastbert.ops.attention import attention_probs_ref
-from fastbert.padding import Unpadded, pad, unpad, unpad_mask
+from fastbert.padding import Unpadded, pad, unpad_mask
 
 _GELU_APPROX = {"gelu": "none", "gelu_tanh": "tanh"}
 
@@ -45,7 +44,7 @@ class ModelOutput(OrderedDict):
         return tuple(self.values())
 
 
-def new_seed(device: torch.device) -> Optional[int]:
+def new_seed() -> int:
     """A dropout seed for the fused kernels, drawn from torch's CPU generator (no device sync)."""
     return int(torch.randint(0, 2**31 - 1, (1,)).item())
 
@@ -71,7 +70,7 @@ class BertEmbeddings(nn.Module):
             input_ids, position_ids, token_type_ids, self.word_embeddings.weight,
             self.position_embeddings.weight, self.token_type_embeddings.weight,
             self.LayerNorm.weight, self.LayerNorm.bias, self.config.layer_norm_eps,
-            dropout_p=p, seed=new_seed(input_ids.device) if p > 0 else None,
+            dropout_p=p, seed=new_seed() if p > 0 else None,
             padding_idx=self.word_embeddings.padding_idx)
 
 
@@ -89,7 +88,7 @@ class BertSelfAttention(nn.Module):
         qkv = self.qkv(x).view(T, 3, cfg.num_attention_heads, cfg.head_dim)  # (T, 3, nh, hd)
         p = cfg.attention_probs_dropout_prob if self.training else 0.0
         ctx = ops.attention_qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p=p,
-                                      seed=new_seed(x.device) if p > 0 else None)  # (T, nh, hd)
+                                      seed=new_seed() if p > 0 else None)  # (T, nh, hd)
         probs = None
         if output_attentions:
             q, k, _ = qkv.unbind(dim=1)  # (T, nh, hd) each
@@ -137,7 +136,7 @@ class BertLayer(nn.Module):
 
         def add_norm(y, residual, ln, y_bias, prenorm=False):
             return ops.dropout_add_layer_norm(y, residual, ln.weight, ln.bias, eps, x_bias=y_bias, dropout_p=p,
-                                              prenorm=prenorm, seed=new_seed(x.device) if p > 0 else None)
+                                              prenorm=prenorm, seed=new_seed() if p > 0 else None)
 
         if not cfg.prenorm:
             ctx, probs = self.attention.self(ops, x, cu_seqlens, max_seqlen, output_attentions)

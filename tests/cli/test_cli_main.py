@@ -3,7 +3,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 from fastbert.cli import _strip_launcher_local_rank, build_parser, main
 
