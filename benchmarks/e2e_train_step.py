@@ -205,7 +205,7 @@ def main(argv=None):
     base = {r["contender"]: r for r in results}
     ref = base.get("hf-sdpa")
     print("\n| contender | ms/step | seq/s | tokens/s | model TFLOP/s | MFU | peak GB | loss diff vs hf-sdpa | "
-          f"x hf-sdpa | x hf-compile |")
+          "x hf-sdpa | x hf-compile |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         sp = lambda k: f"{base[k]['ms_per_step'] / r['ms_per_step']:.2f}" if k in base else "-"  # noqa: E731
