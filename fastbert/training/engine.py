@@ -63,6 +63,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Set (pid:own_port) when this process made itself a world of one. Child processes inherit the
+# environment; without the marker a child (a test's subprocess, a shell-out from a notebook) would take
+# RANK/MASTER_PORT for a launcher's and try to bind the port its parent's process group already holds.
+_OWN_WORLD = "FASTBERT_WORLD_OF_ONE"
+
+
+def _forget_inherited_world() -> None:
+    owner = os.environ.get(_OWN_WORLD)
+    if not owner:
+        return
+    pid, _, own_port = owner.partition(":")
+    if pid == str(os.getpid()):
+        return
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", _OWN_WORLD):
+        os.environ.pop(key, None)
+    if own_port == "1":
+        os.environ.pop("MASTER_PORT", None)
+
+
 def init_distributed(timeout_s: float = 1800.0) -> DistInfo:
     """Initialise (once) the default process group through DeepSpeed and pick this rank's device.
 
@@ -72,6 +91,7 @@ def init_distributed(timeout_s: float = 1800.0) -> DistInfo:
     if not has_cuda:
         # DeepSpeed picks its accelerator at import time; without CUDA it must be told "cpu".
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    _forget_inherited_world()
     own_port = False
     if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
@@ -79,6 +99,7 @@ def init_distributed(timeout_s: float = 1800.0) -> DistInfo:
         own_port = "MASTER_PORT" not in os.environ
         if own_port:
             os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ[_OWN_WORLD] = f"{os.getpid()}:{int(own_port)}"
     import deepspeed
     import torch.distributed as dist
 

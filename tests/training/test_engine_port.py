@@ -23,3 +23,28 @@ def test_single_process_init_survives_a_taken_port():
     res = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip().splitlines()[-1].startswith("OK")
+
+
+PARENT = r'''
+import os, subprocess, sys
+import fastbert.training.engine as eng
+for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT", "FASTBERT_WORLD_OF_ONE"):
+    os.environ.pop(k, None)
+eng.init_distributed(timeout_s=30)          # holds MASTER_PORT and sets RANK=0 in os.environ
+child = "import fastbert.training.engine as eng, os; i = eng.init_distributed(timeout_s=30); " \
+        "print('CHILD', i.world_size, os.environ['MASTER_PORT'])"
+res = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=240)
+assert res.returncode == 0, res.stderr[-3000:]
+_, world, port = res.stdout.strip().splitlines()[-1].split()
+assert world == "1" and port != os.environ["MASTER_PORT"], (port, os.environ["MASTER_PORT"])
+print("OK")
+'''
+
+
+def test_a_child_of_a_world_of_one_forms_its_own_world():
+    """A process that made itself a world of one (a test calling run_finetune in-process) leaves RANK and
+    MASTER_PORT in its environment; a child fastbert process must not read them as a launcher's and
+    fail to bind the port the parent holds (the CI failure: EADDRINUSE in every later subprocess)."""
+    res = subprocess.run([sys.executable, "-c", PARENT], capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().splitlines()[-1] == "OK"
