@@ -70,7 +70,7 @@ def run(args) -> int:
     start = time.perf_counter()
     stats = {"text_bytes": 0, "tokens": 0}
     entries = []
-    out.mkdir(parents=True, exist_ok=True)
+    made = _mkdirs(out)
     staging = Path(tempfile.mkdtemp(prefix=".tokenize-", dir=out))  # all or nothing: moved into place at the end
     ahead = max(1, min(8, args.threads or os.cpu_count() or 1))  # files read (decompressed) in parallel
     readers: dict[int, _Reader] = {}
@@ -83,6 +83,14 @@ def run(args) -> int:
         for name in names:
             (out / name).parent.mkdir(parents=True, exist_ok=True)
             os.replace(staging / name, out / name)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        for d in made:  # folders this run created, deepest first: an error leaves no empty OUT behind
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
     finally:
         bar.close()
         shutil.rmtree(staging, ignore_errors=True)
@@ -126,6 +134,16 @@ def _input_files(paths: list[str]) -> list[Path]:
     if not unique:
         raise UsageError("no input files; pass --input FILE [FILE ...]")
     return unique
+
+
+def _mkdirs(path: Path) -> list[Path]:
+    """mkdir -p; returns the folders it created, deepest first."""
+    made, p = [], path
+    while not p.exists():
+        made.append(p)
+        p = p.parent
+    path.mkdir(parents=True, exist_ok=True)
+    return made
 
 
 def _output_names(files: list[Path]) -> list[str]:
@@ -310,6 +328,8 @@ def _tokenize_file(tok, reader: _Reader, out: Path, name: str, dtype: str, args,
         except (lzma.LZMAError, gzip.BadGzipFile, EOFError, OSError) as e:
             raise UsageError(f"{path}: cannot read it ({e.__class__.__name__}: {e}); the file is corrupt or "
                              f"truncated: re-create it or leave it out") from None
+        if not lines:
+            raise UsageError(f"{path}: empty, no text to tokenize; leave it out of --input")
         f.seek(0)
         f.write(_npy_header(dtype, tokens))
         f.flush()

@@ -80,11 +80,11 @@ def expand_corpus(paths) -> list[Path]:
 def _open_text(raw):
     name = getattr(raw, "name", "")
     if str(name).endswith(".xz"):
-        stream = lzma.open(raw, "rt", encoding="utf-8", errors="replace")
+        stream = lzma.open(raw, "rt", encoding="utf-8", errors="strict")
     elif str(name).endswith(".gz"):
-        stream = gzip.open(raw, "rt", encoding="utf-8", errors="replace")
+        stream = gzip.open(raw, "rt", encoding="utf-8", errors="strict")
     else:
-        stream = io.TextIOWrapper(raw, encoding="utf-8", errors="replace")
+        stream = io.TextIOWrapper(raw, encoding="utf-8", errors="strict")
     return stream
 
 
@@ -99,6 +99,9 @@ def iter_chunks(files: list[Path], chunk_chars: int = _CHUNK_CHARS):
                         if not lines:
                             break
                         yield "".join(lines).encode("utf-8"), raw.tell(), path
+            except UnicodeDecodeError as e:
+                raise ValueError(f"corpus file {path} is not UTF-8 text ({e.reason} at byte {e.start} of a "
+                                 f"block); convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
             except (lzma.LZMAError, gzip.BadGzipFile, EOFError, OSError) as e:
                 raise ValueError(f"cannot read corpus file {path}: {e}; is it a valid "
                                  f"{path.suffix or 'text'} file?") from None
