@@ -63,23 +63,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# Set (pid:own_port) when this process made itself a world of one. Child processes inherit the
+# Set when this process made itself a world of one: "pid:MASTER_PORT". Child processes inherit the
 # environment; without the marker a child (a test's subprocess, a shell-out from a notebook) would take
-# RANK/MASTER_PORT for a launcher's and try to bind the port its parent's process group already holds.
+# RANK/MASTER_PORT for a launcher's and try to bind the port its parent's process group holds. A launcher
+# between the two (torchrun, deepspeed) sets its own port: then the values no longer match and are kept.
 _OWN_WORLD = "FASTBERT_WORLD_OF_ONE"
+_WORLD_OF_ONE = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
 
 
 def _forget_inherited_world() -> None:
     owner = os.environ.get(_OWN_WORLD)
     if not owner:
         return
-    pid, _, own_port = owner.partition(":")
+    pid, _, port = owner.partition(":")
     if pid == str(os.getpid()):
         return
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", _OWN_WORLD):
-        os.environ.pop(key, None)
-    if own_port == "1":
-        os.environ.pop("MASTER_PORT", None)
+    del os.environ[_OWN_WORLD]
+    env = os.environ
+    if env.get("MASTER_PORT") == port and all(env.get(k) == v for k, v in _WORLD_OF_ONE.items()):
+        for key in (*_WORLD_OF_ONE, "MASTER_PORT"):
+            env.pop(key, None)
 
 
 def init_distributed(timeout_s: float = 1800.0) -> DistInfo:
@@ -92,14 +95,14 @@ def init_distributed(timeout_s: float = 1800.0) -> DistInfo:
         # DeepSpeed picks its accelerator at import time; without CUDA it must be told "cpu".
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     _forget_inherited_world()
-    own_port = False
+    own_port = alone = False
     if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        alone = True
+        os.environ.update(_WORLD_OF_ONE)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         own_port = "MASTER_PORT" not in os.environ
         if own_port:
             os.environ["MASTER_PORT"] = str(_free_port())
-        os.environ[_OWN_WORLD] = f"{os.getpid()}:{int(own_port)}"
     import deepspeed
     import torch.distributed as dist
 
@@ -118,6 +121,8 @@ def init_distributed(timeout_s: float = 1800.0) -> DistInfo:
             if not (own_port and "EADDRINUSE" in str(e) and attempt < 4):
                 raise
             os.environ["MASTER_PORT"] = str(_free_port())
+    if alone:
+        os.environ[_OWN_WORLD] = f"{os.getpid()}:{os.environ['MASTER_PORT']}"
     world = dist.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
     device = torch.device("cuda", local_rank) if has_cuda else torch.device("cpu")

@@ -48,3 +48,29 @@ def test_a_child_of_a_world_of_one_forms_its_own_world():
     res = subprocess.run([sys.executable, "-c", PARENT], capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip().splitlines()[-1] == "OK"
+
+
+def test_a_launcher_between_parent_and_child_keeps_its_world(monkeypatch):
+    """torchrun/deepspeed started from a process that is itself a world of one (pytest after an
+    in-process fine-tune) set their own RANK/WORLD_SIZE/MASTER_PORT: the marker the parent left must not
+    erase them (it did once, and every distributed test ran as worlds of one and timed out)."""
+    import os
+
+    import fastbert.training.engine as eng
+    parent = f"{os.getpid() + 1}:41000"
+    launcher = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "29500"}
+    for key, value in {**launcher, eng._OWN_WORLD: parent}.items():
+        monkeypatch.setenv(key, value)
+    eng._forget_inherited_world()
+    assert {k: os.environ.get(k) for k in launcher} == launcher
+    # torchrun --nproc-per-node 1 looks like a world of one, but on its own port: kept too
+    one = {**eng._WORLD_OF_ONE, "MASTER_PORT": "29500"}
+    for key, value in {**one, eng._OWN_WORLD: parent}.items():
+        monkeypatch.setenv(key, value)
+    eng._forget_inherited_world()
+    assert {k: os.environ.get(k) for k in one} == one
+    # inherited unchanged from the parent: forgotten
+    for key, value in {**one, "MASTER_PORT": "41000", eng._OWN_WORLD: parent}.items():
+        monkeypatch.setenv(key, value)
+    eng._forget_inherited_world()
+    assert not any(k in os.environ for k in one) and eng._OWN_WORLD not in os.environ
