@@ -120,12 +120,12 @@ def run(args) -> int:
         targs = TrainArgs(**recipe, warmup=0.1, seed=args.seed, precision=precision, progress=False)
         if cuda and not args.no_warmup:
             # Compile the Triton kernels (and warm cuBLAS) outside the timed run.
-            run_finetune(name, glue, model_dir, output=f"/tmp/fastbert_warmup_{name}",
+            run_finetune(name, glue, model_dir, output=str(out / f"fastbert_warmup_{name}"),
                          args=TrainArgs(**{**recipe, "epochs": 1.0}, warmup=0.1, seed=args.seed,
                                         precision=precision, progress=False),
                          max_seq_len=max_seq_len, max_train_samples=512, max_eval_samples=256,
                          kernels=kernels, save_model=False, tokenizer=tokenizer)
-        fb = run_finetune(name, glue, model_dir, output=f"/tmp/fastbert_{name}", args=targs, max_seq_len=max_seq_len,
+        fb = run_finetune(name, glue, model_dir, output=str(out / f"fastbert_{name}"), args=targs, max_seq_len=max_seq_len,
                           kernels=kernels, save_model=False, tokenizer=tokenizer, eval_batch_size=256, **limits)
         print(f"[fastbert] {name}: {fb['metrics']} train {fb['train']['train_seconds']:.1f}s "
               f"({fb['train']['steps']} steps)", flush=True)
