@@ -566,6 +566,15 @@ def _autocast_dtype(device: torch.device):
         return torch.get_autocast_gpu_dtype() if device.type == "cuda" and torch.is_autocast_enabled() else None
 
 
+def _scale_and_seed(head_dim: int, softmax_scale, dropout_p: float, seed) -> tuple[float, int]:
+    """The softmax scale (default 1/sqrt(head_dim)) and the kernels' dropout seed: ``None`` draws one
+    from torch's CPU generator when dropout is on."""
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    if dropout_p > 0.0 and seed is None:
+        seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+    return scale, 0 if seed is None else int(seed) % 2**31
+
+
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, seed=None):
     """Fused attention over unpadded sequences; same signature and semantics as ``varlen_attention_ref``.
 
@@ -577,10 +586,7 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_sca
     cast = _autocast_dtype(q.device)
     if cast is not None and q.dtype == torch.float32:  # as F.scaled_dot_product_attention under autocast
         q, k, v = q.to(cast), k.to(cast), v.to(cast)
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if dropout_p > 0.0 and seed is None:
-        seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
-    seed = 0 if seed is None else int(seed) % 2**31
+    scale, seed = _scale_and_seed(q.shape[-1], softmax_scale, dropout_p, seed)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     return VarlenAttentionFunction.apply(q, k, v, cu_seqlens, max_seqlen, float(dropout_p), scale, seed)
 
@@ -595,10 +601,7 @@ def varlen_attention_qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softm
     cast = _autocast_dtype(qkv.device)
     if cast is not None and qkv.dtype == torch.float32:
         qkv = qkv.to(cast)
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(qkv.shape[-1])
-    if dropout_p > 0.0 and seed is None:
-        seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
-    seed = 0 if seed is None else int(seed) % 2**31
+    scale, seed = _scale_and_seed(qkv.shape[-1], softmax_scale, dropout_p, seed)
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     return VarlenAttentionQKVPackedFunction.apply(qkv, cu_seqlens, max_seqlen, float(dropout_p), scale, seed)
