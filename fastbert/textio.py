@@ -16,6 +16,13 @@ def unreadable(path, exc: BaseException) -> ValueError:
     return ValueError(f"cannot read {path}: {kind} ({type(exc).__name__}: {exc}); pass UTF-8 .txt, .xz or .gz files")
 
 
+def not_utf8(exc: UnicodeDecodeError) -> str:
+    """What went wrong and the fix, for a streamed file that is not UTF-8 (``exc.start`` counts from the
+    start of the block being decoded, not of the file)."""
+    return (f"not UTF-8 text ({exc.reason} at byte {exc.start} of a block); convert it to UTF-8 "
+            "(e.g. iconv -f latin1 -t utf-8)")
+
+
 def open_text(path: str | os.PathLike, errors: str = "strict"):
     """Open ``path`` for reading UTF-8 text, decompressing ``.xz`` / ``.gz``."""
     path = Path(path)

@@ -294,6 +294,7 @@ def _tokenize_file(tok, reader: _Reader, out: Path, name: str, dtype: str, args,
     import numpy as np
 
     from fastbert.cli import UsageError
+    from fastbert.textio import not_utf8
 
     path = reader.path
     tokens = text_bytes = lines = 0
@@ -323,8 +324,7 @@ def _tokenize_file(tok, reader: _Reader, out: Path, name: str, dtype: str, args,
         except UsageError:
             raise
         except UnicodeDecodeError as e:
-            raise UsageError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a block); convert it "
-                             f"to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+            raise UsageError(f"{path}: {not_utf8(e)}") from None
         except (lzma.LZMAError, gzip.BadGzipFile, EOFError, OSError) as e:
             raise UsageError(f"{path}: cannot read it ({e.__class__.__name__}: {e}); the file is corrupt or "
                              f"truncated: re-create it or leave it out") from None

@@ -26,6 +26,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fastbert.textio import not_utf8
 from fastbert.tokenization.reference import BasicTokenizer
 
 SCORES = ("ratio", "gain")
@@ -100,8 +101,7 @@ def iter_chunks(files: list[Path], chunk_chars: int = _CHUNK_CHARS):
                             break
                         yield "".join(lines).encode("utf-8"), raw.tell(), path
             except UnicodeDecodeError as e:
-                raise ValueError(f"corpus file {path} is not UTF-8 text ({e.reason} at byte {e.start} of a "
-                                 f"block); convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+                raise ValueError(f"corpus file {path} is {not_utf8(e)}") from None
             except (lzma.LZMAError, gzip.BadGzipFile, EOFError, OSError) as e:
                 raise ValueError(f"cannot read corpus file {path}: {e}; is it a valid "
                                  f"{path.suffix or 'text'} file?") from None
