@@ -117,23 +117,13 @@ def run(args) -> int:
 
 def _input_files(paths: list[str]) -> list[Path]:
     from fastbert.cli import UsageError
-    from fastbert.data.corpus import files_under
-    files: list[Path] = []
-    for raw in paths:
-        p = Path(raw)
-        if p.is_file():
-            files.append(p)
-        elif p.is_dir():
-            found = files_under(p)
-            if not found:
-                raise UsageError(f"input folder {p} holds no files; pass text files (.txt, .xz, .gz, .bz2)")
-            files += found
-        else:
-            raise UsageError(f"input not found: {p}")
-    unique = list(dict.fromkeys(f.resolve() for f in files))
-    if not unique:
+    from fastbert.data.corpus import expand_files
+    files = expand_files(
+        paths, missing=lambda p: UsageError(f"input not found: {p}"),
+        empty_folder=lambda p: UsageError(f"input folder {p} holds no files; pass text files (.txt, .xz, .gz, .bz2)"))
+    if not files:
         raise UsageError("no input files; pass --input FILE [FILE ...]")
-    return unique
+    return [f.resolve() for f in files]
 
 
 def _mkdirs(path: Path) -> list[Path]:

@@ -19,7 +19,7 @@ import lzma
 import os
 import re
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 MAGIC = {b"\xfd7zXZ\x00": "xz", b"\x1f\x8b": "gzip", b"BZh": "bzip2"}
 
@@ -31,15 +31,15 @@ class CorpusError(ValueError):
 # ------------------------------------------------------------------------------------- files
 def files_under(folder: Path) -> list[Path]:
     """The files below ``folder``, recursively and sorted; hidden files and folders (".name") are
-    skipped. Shared with the ``tokenize`` command's input listing."""
+    skipped."""
     return sorted(f for f in folder.rglob("*") if f.is_file()
                   and not any(part.startswith(".") for part in f.relative_to(folder).parts))
 
 
-def list_corpus_files(paths) -> list[Path]:
-    """Expand files and folders (recursively, hidden entries skipped) into a sorted file list."""
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
+def expand_files(paths, missing: Callable[[Path], Exception], empty_folder: Callable[[Path], Exception]) -> list[Path]:
+    """Files as given and folders expanded by :func:`files_under`, each file once (the first spelling
+    of it is kept). ``missing(p)`` / ``empty_folder(p)`` build the error raised for a path that does
+    not exist / a folder without files (each command words its own)."""
     files: list[Path] = []
     for raw in paths:
         p = Path(raw)
@@ -48,21 +48,28 @@ def list_corpus_files(paths) -> list[Path]:
         elif p.is_dir():
             found = files_under(p)
             if not found:
-                raise CorpusError(f"corpus folder {p} holds no files; point --corpus at .txt/.xz/.gz files "
-                                  "or WikiExtractor output")
+                raise empty_folder(p)
             files.extend(found)
         else:
-            raise CorpusError(f"corpus path not found: {p}")
+            raise missing(p)
+    # One file listed twice (a file and its folder) would be read twice.
+    unique: dict[Path, Path] = {}
+    for f in files:
+        unique.setdefault(f.resolve(), f)
+    return list(unique.values())
+
+
+def list_corpus_files(paths) -> list[Path]:
+    """Expand files and folders (recursively, hidden entries skipped) into a sorted file list."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    files = expand_files(
+        paths, missing=lambda p: CorpusError(f"corpus path not found: {p}"),
+        empty_folder=lambda p: CorpusError(f"corpus folder {p} holds no files; point --corpus at .txt/.xz/.gz "
+                                           "files or WikiExtractor output"))
     if not files:
         raise CorpusError("no corpus files given; pass --corpus FILE_OR_DIR")
-    # One file listed twice (a file and its folder) would be read twice.
-    seen, unique = set(), []
-    for f in files:
-        key = f.resolve()
-        if key not in seen:
-            seen.add(key)
-            unique.append(f)
-    return unique
+    return files
 
 
 def compression_of(path: Path) -> str:
