@@ -5,6 +5,11 @@ prediction is wanted. The head is BERT's: dense + GELU + LayerNorm, then a decod
 word embeddings plus a bias, then cross-entropy. Returns ``(loss, num_correct, num_predicted)``;
 ``loss`` is the mean over predicted positions (0 when there are none).
 
+Static shapes (``positions`` given): ``labels`` is then ``(slots,)``, the targets of the rows
+``hidden[positions]``, with ``ignore_index`` in unused slots. The number of slots is fixed per
+batch (the masking collator's capacity), so nothing waits on the device: no ``nonzero``, no check
+of label values, the same kernel shapes every step (tuned once, capturable in a CUDA graph).
+
 This file holds the plain-PyTorch reference first, then the Triton kernels, host wrappers
 (``linear_cross_entropy_fwd`` / ``_bwd``, registered as ``torch.ops.fastbert`` custom ops), the
 ``autograd.Function`` and the functional entry point ``sparse_mlm_loss``.
@@ -21,8 +26,11 @@ def mlm_transform_ref(h, dense_weight, dense_bias, ln_weight, ln_bias, eps, appr
 
 
 def sparse_mlm_loss_ref(hidden, labels, dense_weight, dense_bias, ln_weight, ln_bias, eps,
-                        decoder_weight, decoder_bias, approximate="none", ignore_index=-100):
+                        decoder_weight, decoder_bias, approximate="none", ignore_index=-100, positions=None):
     """Reference: gather, transform, full logits for the gathered rows, cross-entropy."""
+    if positions is not None:
+        return _static_ref(hidden, labels, positions, dense_weight, dense_bias, ln_weight, ln_bias, eps,
+                           decoder_weight, decoder_bias, approximate, ignore_index)
     keep = (labels != ignore_index).nonzero(as_tuple=True)[0]
     h = hidden.index_select(0, keep)
     y = labels.index_select(0, keep)
@@ -36,6 +44,21 @@ def sparse_mlm_loss_ref(hidden, labels, dense_weight, dense_bias, ln_weight, ln_
     loss = F.cross_entropy(logits, y)
     correct = (logits.argmax(dim=-1) == y).sum()
     return loss, correct, torch.tensor(n, device=hidden.device)
+
+
+def _static_ref(hidden, labels, positions, dense_weight, dense_bias, ln_weight, ln_bias, eps, decoder_weight,
+                decoder_bias, approximate, ignore_index):
+    """Fixed slots: every slot is computed, unused ones (``ignore_index``) weigh 0 in the mean."""
+    valid = labels != ignore_index
+    count = valid.sum()
+    h = mlm_transform_ref(hidden.index_select(0, positions), dense_weight, dense_bias, ln_weight, ln_bias, eps,
+                          approximate)
+    logits = F.linear(h, decoder_weight, decoder_bias).float()
+    y = torch.where(valid, labels, torch.zeros_like(labels))
+    per_row = F.cross_entropy(logits, y, reduction="none")
+    loss = (per_row * valid).sum() / count.clamp(min=1)
+    correct = ((logits.argmax(dim=-1) == y) & valid).sum()
+    return loss, correct, count
 
 
 # ============================================================================= Triton kernels
@@ -134,16 +157,19 @@ def _lce_bwd_kernel(H, W, B, Y, LSE, G, DL, DB_PART, n, V, K, N_BUCKET, v_start,
     prob = tl.exp(logits - lse[:, None])  # exp(-inf) = 0 past V
     dl = (prob - (cols[None, :] == labels[:, None]).to(tl.float32)) * g
     local = cols - v_start
-    keep = row_mask[:, None] & (local < chunk)[None, :] & (cols < V)[None, :]
+    # Rows with a negative label (unused slots of a static-shape batch) get no gradient.
+    keep = (row_mask & (labels >= 0))[:, None] & (local < chunk)[None, :] & (cols < V)[None, :]
     dl = tl.where(keep, dl, 0.0)
-    tl.store(DL + rows.to(tl.int64)[:, None] * stride_dl + local[None, :], dl.to(DL.dtype.element_ty), mask=keep)
+    store = row_mask[:, None] & (local < chunk)[None, :] & (cols < V)[None, :]
+    tl.store(DL + rows.to(tl.int64)[:, None] * stride_dl + local[None, :], dl.to(DL.dtype.element_ty), mask=store)
     tl.store(DB_PART + pid_m * V + cols, tl.sum(dl, axis=0), mask=(local < chunk) & (cols < V))
 
 
 # ============================================================================= host wrappers
 def linear_cross_entropy_fwd(h, weight, bias, labels):
-    """Mean cross-entropy of ``h @ weight.T + bias`` against ``labels`` (all valid), without
-    storing logits. Returns ``(loss fp32 scalar, lse fp32 (n,), num_correct int64 scalar)``."""
+    """Mean cross-entropy of ``h @ weight.T + bias`` against ``labels`` without storing logits; rows
+    with a negative label are left out of the mean (0 when none is left). Returns ``(loss fp32
+    scalar, lse fp32 (n,), num_correct int64 scalar)``."""
     n, k = h.shape
     v = weight.shape[0]
     dev = h.device
@@ -166,7 +192,8 @@ def linear_cross_entropy_fwd(h, weight, bias, labels):
     # Online-softmax combine over vocab tiles; unused tiles hold (-inf, 0) and drop out.
     row_max = max_p.max(dim=1).values  # (n,)
     lse = row_max + torch.log((sum_p * torch.exp(max_p - row_max[:, None])).sum(dim=1))
-    loss = (lse - label_p.sum(dim=1)).mean()
+    valid = labels >= 0
+    loss = ((lse - label_p.sum(dim=1)) * valid).sum() / valid.sum().clamp(min=1)
     # argmax: the smallest index among tiles that reach the row max (torch's first-max rule).
     pred = torch.where(max_p == row_max[:, None], arg_p, v).min(dim=1).values
     correct = (pred.long() == labels).sum()
@@ -186,14 +213,15 @@ def linear_cross_entropy_bwd(grad, h, weight, bias, labels, lse):
     max_block_m_rows = triton.cdiv(n, min(c.kwargs["BLOCK_M"] for c in _lce_configs()))
     db_part = torch.zeros((max_block_m_rows, v), dtype=torch.float32, device=dev)
     dl = torch.empty((n, min(chunk, v)), dtype=h.dtype, device=dev)
-    g = grad.reshape(1).to(torch.float32)
+    # d(mean)/d(row) = 1 / (rows with a label): folded into g on the device, so no count is read back.
+    g = (grad.reshape(1).to(torch.float32) / (labels >= 0).sum().clamp(min=1)).contiguous()
     for v0 in range(0, v, chunk):
         c = min(chunk, v - v0)
 
         def grid(meta):
             return (triton.cdiv(c, meta["BLOCK_N"]), triton.cdiv(n, meta["BLOCK_M"]))
         _lce_bwd_kernel[grid](h, weight, bias, labels, lse, g, dl, db_part, n, v, k, triton.next_power_of_2(n),
-                              v0, c, h.stride(0), weight.stride(0), dl.stride(0), 1.0 / n,
+                              v0, c, h.stride(0), weight.stride(0), dl.stride(0), 1.0,
                               INPUT_PRECISION=input_precision(h.dtype))
         dlc = dl[:, :c]  # (n, c)
         dh.addmm_(dlc, weight[v0:v0 + c]) if h.dtype == torch.float32 else dh.add_(dlc @ weight[v0:v0 + c])
@@ -239,9 +267,19 @@ class LinearCrossEntropyFn(torch.autograd.Function):
 
 
 def sparse_mlm_loss(hidden, labels, dense_weight, dense_bias, ln_weight, ln_bias, eps,
-                    decoder_weight, decoder_bias, approximate="none", ignore_index=-100):
+                    decoder_weight, decoder_bias, approximate="none", ignore_index=-100, positions=None):
     """Fused sparse MLM head + loss; same signature and semantics as :func:`sparse_mlm_loss_ref`."""
     check_triton_device(hidden, dense_weight, decoder_weight)
+    v = decoder_weight.shape[0]
+    if positions is not None:   # static shapes: fixed slots, no device -> host transfer
+        if hidden.dim() != 2 or labels.shape != positions.shape or positions.dim() != 1:
+            raise ValueError(f"sparse_mlm_loss: hidden must be (tokens, hidden), positions and labels (slots,), got "
+                             f"{tuple(hidden.shape)}, {tuple(positions.shape)} and {tuple(labels.shape)}")
+        y = torch.where(labels == ignore_index, torch.full_like(labels, -1), labels)
+        count = (y >= 0).sum()
+        h = hidden.index_select(0, positions)  # (slots, hidden)
+        return _fused_head(h, y, dense_weight, dense_bias, ln_weight, ln_bias, eps, decoder_weight, decoder_bias,
+                           approximate) + (count,)
     if labels.shape != hidden.shape[:1] or hidden.dim() != 2:
         raise ValueError(f"sparse_mlm_loss: hidden must be (tokens, hidden) and labels (tokens,), got "
                          f"{tuple(hidden.shape)} and {tuple(labels.shape)}")
@@ -252,11 +290,17 @@ def sparse_mlm_loss(hidden, labels, dense_weight, dense_bias, ln_weight, ln_bias
         zero = torch.zeros((), dtype=torch.long, device=hidden.device)
         return loss.float(), zero, zero
     y = labels.index_select(0, keep)
-    v = decoder_weight.shape[0]
     bad = ((y < 0) | (y >= v)).any()
     if bool(bad):
         raise ValueError(f"sparse_mlm_loss: labels must be in [0, {v}) or ignore_index={ignore_index}")
     h = hidden.index_select(0, keep)  # (n, hidden)
+    return _fused_head(h, y, dense_weight, dense_bias, ln_weight, ln_bias, eps, decoder_weight, decoder_bias,
+                       approximate) + (torch.tensor(n, device=hidden.device),)
+
+
+def _fused_head(h, y, dense_weight, dense_bias, ln_weight, ln_bias, eps, decoder_weight, decoder_bias, approximate):
+    """Transform + decoder + cross-entropy of the gathered rows ``h`` against ``y`` (-1: no target)."""
+    v = decoder_weight.shape[0]
     h = linear_bias_gelu(h, dense_weight, dense_bias, approximate)
     h = dropout_add_layer_norm(h, None, ln_weight, ln_bias, eps)
     if decoder_bias is None:
@@ -264,4 +308,4 @@ def sparse_mlm_loss(hidden, labels, dense_weight, dense_bias, ln_weight, ln_bias
     # The decoder runs in the transform's dtype (the autocast dtype under torch.autocast).
     decoder_weight, decoder_bias = decoder_weight.to(h.dtype), decoder_bias.to(h.dtype)
     loss, correct = LinearCrossEntropyFn.apply(h.contiguous(), decoder_weight, decoder_bias, y.contiguous())
-    return loss, correct, torch.tensor(n, device=hidden.device)
+    return loss, correct

@@ -123,3 +123,47 @@ def test_custom_op_and_torch_compile():
 def test_gpu_bert_shapes(hidden, dtype):
     # batch 32 x seq 128 tokens, 15% predicted, BERT's vocabulary
     check(32 * 128, hidden, 30522, dtype, frac=0.15)
+
+
+def run_static(fn, positions, slot_labels, params, dtype, **kw):
+    leaves = {k: v.detach().to(dtype).requires_grad_() for k, v in params.items()}
+    a = [leaves[k] for k in PARAMS]
+    loss, correct, n = fn(a[0], slot_labels, a[1], a[2], a[3], a[4], 1e-12, a[5], a[6], positions=positions, **kw)
+    grads = torch.autograd.grad(loss, a, allow_unused=True)
+    grads = [torch.zeros_like(t) if gr is None else gr for t, gr in zip(a, grads)]
+    return (loss, correct, n), dict(zip(PARAMS, grads))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens,hidden,vocab,slots", [(40, 40, 300, 24), (23, 32, 1000, 23), (9, 16, 33, 6)])
+def test_static_slots_match_the_dynamic_gather(tokens, hidden, vocab, slots, dtype):
+    """Fixed slots (positions + labels with -100 in unused slots, as the static-shape pretraining batch
+    has them) give the loss, counts and every gradient of the dynamic path over the same rows."""
+    labels, params = make_inputs(tokens, hidden, vocab, dtype)
+    predicted = (labels != -100).nonzero().flatten()[:slots]
+    dense = torch.full_like(labels, -100)
+    dense[predicted] = labels[predicted]
+    # slots: the predicted rows first, then padding slots that point anywhere (row 0) with label -100
+    positions = torch.zeros(slots, dtype=torch.long, device=labels.device)
+    positions[:predicted.numel()] = predicted
+    slot_labels = torch.full((slots,), -100, dtype=torch.long, device=labels.device)
+    slot_labels[:predicted.numel()] = labels[predicted]
+    (loss, correct, n), dk = run_static(sparse_mlm_loss, positions, slot_labels, params, dtype)
+    (loss_s, _, n_s), ds = run_static(sparse_mlm_loss_ref, positions, slot_labels, params, dtype)
+    (loss_r, correct_r, n_r), dr = run(sparse_mlm_loss_ref, dense, params, torch.float64)
+    assert n.item() == n_s.item() == n_r.item() == predicted.numel()
+    assert_within("loss", loss, loss_s, loss_r, dtype)
+    if dtype == torch.float32:
+        assert correct.item() == correct_r.item()
+    for k in PARAMS:
+        assert_within(f"d{k}", dk[k], ds[k], dr[k], dtype)
+
+
+def test_static_slots_all_unused_give_zero_loss_and_gradients():
+    labels, params = make_inputs(12, 16, 33, torch.float32)
+    positions = torch.arange(4, device=labels.device)
+    slot_labels = torch.full((4,), -100, dtype=torch.long, device=labels.device)
+    for fn in (sparse_mlm_loss, sparse_mlm_loss_ref):
+        (loss, correct, n), grads = run_static(fn, positions, slot_labels, params, torch.float32)
+        assert loss.item() == 0.0 and correct.item() == 0 and n.item() == 0
+        assert all(torch.isfinite(g).all() and g.abs().max() == 0 for g in grads.values())
