@@ -40,10 +40,11 @@ class BertLMPredictionHead(nn.Module):
                               self.config.layer_norm_eps, gelu_approx(self.config))
         return F.linear(h, self.decoder.weight, self.bias)
 
-    def loss(self, ops, h, labels):
+    def loss(self, ops, h, labels, positions=None):
         t = self.transform
         return ops.mlm_loss(h, labels, t.dense.weight, t.dense.bias, t.LayerNorm.weight, t.LayerNorm.bias,
-                            self.config.layer_norm_eps, self.decoder.weight, self.bias, gelu_approx(self.config))
+                            self.config.layer_norm_eps, self.decoder.weight, self.bias, gelu_approx(self.config),
+                            positions=positions)
 
 
 class BertPreTrainingHeads(nn.Module):
@@ -72,6 +73,31 @@ class _MLMModel(BertPreTrainedModel):
     def get_output_embeddings(self):
         return self.cls.predictions
 
+    def _forward_packed(self, packed: dict, return_dict: bool = True):
+        """The static-shape step of ``fastbert pretrain`` (``data/static_batch.py``): ``packed`` holds
+        ``input_ids``, ``token_type_ids``, ``position_ids`` (rows, seq_len), ``cu_seqlens``,
+        ``max_seqlen``, the masking collator's ``mlm_positions`` / ``mlm_targets`` slots and, with an
+        NSP head, ``cls_positions`` / ``next_sentence_label`` slots (-100 where empty). Every shape is
+        fixed by the batch geometry and nothing is read back from the device."""
+        flat = lambda name: packed[name].reshape(-1)  # noqa: E731
+        x, _, _ = self.bert.encode_unpadded(flat("input_ids"), packed["cu_seqlens"], int(packed["max_seqlen"]),
+                                            flat("token_type_ids"), flat("position_ids"))
+        mlm_loss, correct, count = self.cls.predictions.loss(self.ops, x, packed["mlm_targets"],
+                                                             positions=packed["mlm_positions"])
+        loss, nsp_logits, nsp_correct, nsp_count = mlm_loss, None, None, None
+        labels = packed.get("next_sentence_label")
+        if self.has_nsp and labels is not None:
+            pooled = self.bert.pooler(x.index_select(0, packed["cls_positions"]))
+            nsp_logits = self.cls.seq_relationship(pooled)                           # (slots, 2)
+            valid = labels != -100
+            nsp_count = valid.sum()
+            per_slot = F.cross_entropy(nsp_logits.float(), labels.clamp(min=0), reduction="none")
+            loss = loss + (per_slot * valid).sum() / nsp_count.clamp(min=1)
+            nsp_correct = ((nsp_logits.argmax(-1) == labels) & valid).sum()
+        out = ModelOutput(loss=loss, seq_relationship_logits=nsp_logits, mlm_loss=mlm_loss, mlm_correct=correct,
+                          mlm_count=count, nsp_correct=nsp_correct, nsp_count=nsp_count)
+        return out if return_dict else out.to_tuple()
+
     def _mlm(self, x, info, labels):
         """Sparse loss on ``x`` (tokens, hidden) when labels are given; else dense padded logits."""
         head = self.cls.predictions
@@ -89,8 +115,10 @@ class BertForPreTraining(_MLMModel):
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
                 next_sentence_label=None, output_attentions=False, output_hidden_states=False, return_dict=True,
-                **unused):
+                packed=None, **unused):
         _reject_unsupported(unused)
+        if packed is not None:
+            return self._forward_packed(packed, return_dict)
         x, info, hidden, attn = self.bert.run(input_ids, attention_mask, token_type_ids, position_ids,
                                               output_attentions, output_hidden_states)
         nsp_logits = self.cls.seq_relationship(self.bert.pooler(first_token_rows(x, info)))  # (B, 2)
@@ -111,8 +139,10 @@ class BertForMaskedLM(_MLMModel):
     has_nsp = False
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
-                output_attentions=False, output_hidden_states=False, return_dict=True, **unused):
+                output_attentions=False, output_hidden_states=False, return_dict=True, packed=None, **unused):
         _reject_unsupported(unused)
+        if packed is not None:
+            return self._forward_packed(packed, return_dict)
         x, info, hidden, attn = self.bert.run(input_ids, attention_mask, token_type_ids, position_ids,
                                               output_attentions, output_hidden_states)
         loss, logits, correct, count = self._mlm(x, info, labels)

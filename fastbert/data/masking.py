@@ -12,7 +12,11 @@ the ``##`` pieces after it): ``k`` words of the ``n_words`` eligible ones with `
 so the expected share of masked tokens is still ``rate``.
 
 Output: ``(input_ids, labels)`` with ``labels = -100`` where nothing is predicted (what the sparse MLM
-head expects). Randomness comes from one ``torch.Generator`` on the device, seeded per rank; its state
+head expects), or, for static shapes (``masked_slots``), ``(input_ids, positions, targets)``: a fixed
+number of slots per batch (``capacity``: the most tokens the per-row rule can choose), the chosen
+flat positions first and unused slots with target -100, so the MLM head's shapes never change and
+nothing is read back from the device. Both draw the same random numbers: the same tokens are masked.
+Randomness comes from one ``torch.Generator`` on the device, seeded per rank; its state
 is saved with checkpoints (``state_dict``) for exact resume. No host synchronisation.
 """
 from __future__ import annotations
@@ -97,10 +101,35 @@ class MaskingCollator:
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         """``input_ids``, ``attention_mask``: (batch, seq) on the device. Returns (masked ids, labels)."""
+        input_ids, chosen = self._choose_on_device(input_ids, attention_mask)
+        labels = torch.where(chosen, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
+        return self._corrupt(input_ids, chosen), labels
+
+    def capacity(self, batch: int, seq: int) -> int:
+        """Slots of ``masked_slots`` for a (batch, seq) input: per row at most floor(seq * rate) + 1
+        tokens are chosen (whole-word masking has no such bound: every token)."""
+        return batch * seq if self.whole_word else batch * min(seq, int(seq * self.rate) + 1)
+
+    def masked_slots(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        """Static-shape masking: ``(masked ids (batch, seq), positions (capacity,), targets (capacity,))``;
+        ``positions`` index the flattened (batch * seq) tokens; unused slots point at 0 with target -100."""
+        input_ids, chosen = self._choose_on_device(input_ids, attention_mask)
+        flat = chosen.reshape(-1)
+        slots = self.capacity(*input_ids.shape)
+        # chosen positions first, in order; a stable sort of a 0/1 key needs no count from the host
+        order = torch.argsort((~flat).to(torch.uint8), stable=True)[:slots]
+        used = flat.index_select(0, order)
+        positions = torch.where(used, order, torch.zeros_like(order))
+        targets = torch.where(used, input_ids.reshape(-1).index_select(0, order), torch.full_like(order, IGNORE_INDEX))
+        return self._corrupt(input_ids, chosen), positions, targets
+
+    def _choose_on_device(self, input_ids, attention_mask):
         input_ids = input_ids.to(self.device, non_blocking=True).long()
         attention_mask = attention_mask.to(self.device, non_blocking=True)
-        chosen = self.choose(input_ids, attention_mask)
-        labels = torch.where(chosen, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
+        return input_ids, self.choose(input_ids, attention_mask)
+
+    def _corrupt(self, input_ids, chosen):
+        """80% [MASK], 10% random, 10% kept among the chosen tokens."""
         u = self._rand(input_ids.shape)
         to_mask = chosen & (u < self.mask_prob)
         to_random = chosen & (u >= self.mask_prob) & (u < self.mask_prob + self.random_prob)
@@ -112,8 +141,7 @@ class MaskingCollator:
             random_ids = torch.multinomial(self.unigram, input_ids.numel(), replacement=True,
                                            generator=self.generator).view_as(input_ids)
         out = torch.where(to_mask, torch.full_like(input_ids, self.mask_id), input_ids)
-        out = torch.where(to_random, random_ids, out)
-        return out, labels
+        return torch.where(to_random, random_ids, out)
 
 
 def continuation_flags(vocab_tokens: Sequence[str]) -> torch.Tensor:

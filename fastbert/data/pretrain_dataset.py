@@ -8,6 +8,12 @@ sequences form a global batch does not depend on how it is split over ranks and 
 
 The loader's whole state is one integer, the stream position (sequences consumed), so resuming is
 O(1) with no replay, and a different rank count with the same global batch continues the same stream.
+
+Static shapes (``static=True``, what ``fastbert pretrain`` uses): every micro-batch is
+``micro_batch`` rows of ``seq_len`` tokens laid out by ``data/static_batch.py``. Without packing a
+row holds one sequence (BERT's layout); with packing (``PackedOrder``) each epoch's permuted
+sequences are first packed into rows of up to ``per_row`` sequences, and a global batch is then
+``global_batch`` ROWS: the stream position counts rows, and the state is still one integer.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import numpy as np
 import torch
 
 from fastbert.data.shards import Shard, ShardError, load_index, open_split
+from fastbert.data.static_batch import build_rows, pack_rows
 
 
 class PretrainData:
@@ -42,6 +49,23 @@ class PretrainData:
     def locate(self, i: int) -> tuple[Shard, int]:
         s = int(np.searchsorted(self.starts, i, side="right") - 1)
         return self.shards[s], int(i - self.starts[s])
+
+    def lengths(self) -> np.ndarray:
+        """Token count of every sequence, in global index order."""
+        if getattr(self, "_lengths", None) is None:
+            self._lengths = np.concatenate([s.lengths() for s in self.shards]) if self.shards else np.zeros(0, int)
+        return self._lengths
+
+    def static_batch(self, rows, per_row: int) -> dict:
+        """Static-shape arrays for ``rows`` (each a list of global sequence indices); see static_batch.py."""
+        seqs = []
+        for row in rows:
+            items = []
+            for i in row:
+                shard, j = self.locate(int(i))
+                items.append((shard.sequence(j), int(shard.bstart[j]), int(shard.nsp[j])))
+            seqs.append(items)
+        return build_rows(seqs, self.seq_len, per_row, self.pad_id, self.nsp)
 
     def batch(self, indices, pad_to: Optional[int] = None, multiple_of: int = 8) -> dict:
         """Padded (batch, seq) numpy arrays for global sequence ``indices``: ``input_ids`` (int64),
@@ -97,28 +121,85 @@ class GlobalOrder:
         epoch, offset = divmod(position, self.per_epoch)
         return self.permutation(epoch)[offset:offset + micro_batch]
 
+    def micro_rows(self, step: int, micro: int, rank: int, world: int, micro_batch: int) -> list[list[int]]:
+        """The same micro-batch as rows of one sequence each."""
+        return [[int(i)] for i in self.micro_batch(step, micro, rank, world, micro_batch)]
+
+
+class PackedOrder:
+    """Packed rows: epoch ``e`` packs the permutation of ``(seed, e)`` into rows of at most ``seq_len``
+    tokens and ``per_row`` sequences (first fit, see ``pack_rows``, over windows of ``window``
+    sequences so packing stays local and fast); global step ``s`` takes rows ``[s * G, (s + 1) * G)``
+    of that list (``G`` = global batch in rows), the incomplete last batch of an epoch is dropped.
+    Which rows form a global batch does not depend on the rank/accumulation split."""
+
+    def __init__(self, lengths: np.ndarray, global_batch: int, seed: int, seq_len: int, per_row: int,
+                 window: int = 256):
+        self.lengths = np.asarray(lengths)
+        self.order = GlobalOrder(len(self.lengths), 1, seed)   # the permutation per epoch
+        self.global_batch, self.seq_len, self.per_row, self.window = global_batch, seq_len, per_row, window
+        self._epoch, self._rows = None, None
+        first = self.rows(0)
+        if len(first) < global_batch:
+            raise ShardError(f"the training split packs into {len(first)} rows of {seq_len} tokens, fewer than one "
+                             f"global batch ({global_batch}); prepare more text or lower train.global_batch_size")
+        self.steps_first_epoch = len(first) // global_batch
+
+    def rows(self, epoch: int) -> list[list[int]]:
+        if epoch != self._epoch:
+            perm = self.order.permutation(epoch)
+            out = []
+            for start in range(0, len(perm), self.window):
+                chunk = perm[start:start + self.window]
+                out += [[int(chunk[k]) for k in row]
+                        for row in pack_rows(self.lengths[chunk].tolist(), self.seq_len, self.per_row)]
+            self._epoch, self._rows = epoch, out
+        return self._rows
+
+    def _locate(self, step: int) -> tuple[int, int]:
+        """(epoch, first row of the step in that epoch's list)."""
+        epoch, row = 0, step * self.global_batch
+        while True:
+            per_epoch = len(self.rows(epoch)) // self.global_batch * self.global_batch
+            if row < per_epoch:
+                return epoch, row
+            row -= per_epoch
+            epoch += 1
+
+    def micro_rows(self, step: int, micro: int, rank: int, world: int, micro_batch: int) -> list[list[int]]:
+        epoch, first = self._locate(step)
+        start = first + (micro * world + rank) * micro_batch
+        return self.rows(epoch)[start:start + micro_batch]
+
 
 class PretrainLoader:
     """Yields this rank's micro-batches (dicts of CPU tensors, pinned when CUDA is used) from a start
     step on, prepared by a background thread a few batches ahead."""
 
-    def __init__(self, data: PretrainData, order: GlobalOrder, *, rank: int, world: int, micro_batch: int,
+    def __init__(self, data: PretrainData, order, *, rank: int, world: int, micro_batch: int,
                  grad_accum: int, start_step: int = 0, prefetch: int = 4, pin: bool = False,
-                 pad_to: Optional[int] = None):
+                 pad_to: Optional[int] = None, per_row: Optional[int] = None):
+        """``per_row`` set: static-shape batches (``order`` a GlobalOrder or PackedOrder); None: padded
+        batches of ``order.micro_batch`` (pad to the longest, or to ``pad_to``)."""
         if micro_batch * world * grad_accum != order.global_batch:
             raise ValueError(f"micro_batch {micro_batch} x world {world} x grad_accum {grad_accum} != "
                              f"global batch {order.global_batch}")
         self.data, self.order = data, order
         self.rank, self.world, self.micro_batch, self.grad_accum = rank, world, micro_batch, grad_accum
         self.step = start_step
-        self.prefetch, self.pin, self.pad_to = prefetch, pin, pad_to
+        self.prefetch, self.pin, self.pad_to, self.per_row = prefetch, pin, pad_to, per_row
         self._queue: Optional[queue.Queue] = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     def _make(self, step: int, micro: int) -> dict:
-        idx = self.order.micro_batch(step, micro, self.rank, self.world, self.micro_batch)
-        batch = {k: torch.from_numpy(v) for k, v in self.data.batch(idx, self.pad_to).items()}
+        if self.per_row is not None:
+            rows = self.order.micro_rows(step, micro, self.rank, self.world, self.micro_batch)
+            arrays = self.data.static_batch(rows, self.per_row)
+        else:
+            idx = self.order.micro_batch(step, micro, self.rank, self.world, self.micro_batch)
+            arrays = self.data.batch(idx, self.pad_to)
+        batch = {k: torch.from_numpy(v) for k, v in arrays.items()}
         if self.pin:
             batch = {k: v.pin_memory() for k, v in batch.items()}
         return batch
@@ -162,13 +243,18 @@ class PretrainLoader:
 
 
 def eval_batches(data: PretrainData, *, rank: int, world: int, micro_batch: int, max_batches: int,
-                 pad_to: Optional[int] = None) -> list[dict]:
+                 pad_to: Optional[int] = None, per_row: Optional[int] = None) -> list[dict]:
     """A fixed evaluation set: the first ``max_batches * world * micro_batch`` validation sequences
-    in order, split over ranks (the same batches at every evaluation). Ranks get equal counts."""
+    in order, split over ranks (the same batches at every evaluation). Ranks get equal counts.
+    ``per_row`` set: static-shape batches (one sequence a row, the training shapes)."""
     per_round = world * micro_batch
     rounds = min(max_batches, len(data) // per_round)
     out = []
     for b in range(rounds):
         start = b * per_round + rank * micro_batch
-        out.append({k: torch.from_numpy(v) for k, v in data.batch(range(start, start + micro_batch), pad_to).items()})
+        if per_row is not None:
+            arrays = data.static_batch([[i] for i in range(start, start + micro_batch)], per_row)
+        else:
+            arrays = data.batch(range(start, start + micro_batch), pad_to)
+        out.append({k: torch.from_numpy(v) for k, v in arrays.items()})
     return out

@@ -28,7 +28,10 @@ DEFAULTS: dict = {
         },
         "masking": {"rate": 0.15, "mask_prob": 0.8, "random_prob": 0.1, "random_tokens": "uniform",
                     "whole_word": False},
-        "pad_to": None,              # None: pad each micro-batch to its longest sequence (multiple of 8)
+        # Static-shape batches (data/static_batch.py): "pack" puts up to per_row prepared sequences in each
+        # row of seq_len tokens (global_batch_size then counts rows); "none" keeps one sequence per row.
+        "packing": "pack",
+        "per_row": 4,
         "prefetch": 4,
     },
     "train": {

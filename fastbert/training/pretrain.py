@@ -33,7 +33,7 @@ from fastbert.training.engine import DistInfo, all_reduce_sum, barrier, build_en
 from fastbert.training.guard import SpikeGuard, Verdict, install as install_guard
 from fastbert.training.logging import MetricsLogger, peak_tflops
 from fastbert.training.manifest import build_manifest, write_manifest
-from fastbert.training.pretrain_metrics import Accumulator, eta, evaluate, schedule_info, to_device, train_metrics
+from fastbert.training.pretrain_metrics import Accumulator, eta, evaluate, schedule_info, static_inputs, train_metrics
 from fastbert.training.resume import choose_resume, model_signature, reseed, universal_if_needed
 from fastbert.training.schedules import (StepSchedule, TimeBudgetSchedule, make_clock, parse_duration,
                                          torch_all_reduce_max)
@@ -249,7 +249,7 @@ class _Run:
 
 def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict, det: Optional[dict]) -> dict:
     from fastbert.data.masking import collator_for
-    from fastbert.data.pretrain_dataset import GlobalOrder, PretrainData, PretrainLoader, eval_batches
+    from fastbert.data.pretrain_dataset import GlobalOrder, PackedOrder, PretrainData, PretrainLoader, eval_batches
 
     r = _Run(cfg, dist, out_dir, log, pre, det)
     t_cfg, d_cfg, c_cfg = cfg["train"], cfg["data"], cfg["checkpoint"]
@@ -304,11 +304,18 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict
         log.print(f"[fastbert] resumed from {r.ckpt_dir / resume_tag} at step {engine.global_steps}")
     start_step = engine.global_steps
 
-    order = GlobalOrder(len(train_data), engine.global_batch_size, seed)
+    # Static shapes: rows of seq_len tokens, several sequences a row when packing (data/static_batch.py).
+    per_row = int(d_cfg["per_row"]) if d_cfg["packing"] == "pack" else 1
+    if d_cfg["packing"] == "pack":
+        order = PackedOrder(train_data.lengths(), engine.global_batch_size, seed, train_data.seq_len, per_row)
+    elif d_cfg["packing"] == "none":
+        order = GlobalOrder(len(train_data), engine.global_batch_size, seed)
+    else:
+        raise ValueError(f"data.packing={d_cfg['packing']!r} is not known; use pack or none")
     loader = PretrainLoader(train_data, order, rank=dist.rank, world=dist.world_size,
                             micro_batch=engine.micro_batch_size, grad_accum=engine.grad_accum,
                             start_step=start_step + r.data_skip, prefetch=d_cfg["prefetch"],
-                            pin=dist.device.type == "cuda", pad_to=d_cfg["pad_to"])
+                            pin=dist.device.type == "cuda", per_row=per_row)
     e_cfg = cfg["eval"]
     val_batches = []
     try:
@@ -316,7 +323,7 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict
         if len(val_data):
             val_batches = eval_batches(val_data, rank=dist.rank, world=dist.world_size,
                                        micro_batch=e_cfg["micro_batch_size"] or engine.micro_batch_size,
-                                       max_batches=e_cfg["batches"], pad_to=d_cfg["pad_to"])
+                                       max_batches=e_cfg["batches"], per_row=per_row)
     except Exception as e:  # a missing split is reported, not fatal
         log.print(f"[fastbert] no evaluation: {e}")
     if not val_batches:
@@ -361,18 +368,16 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict
                         break
                     step_lr = schedule.lr(step)
                 engine.set_lr(step_lr)
-            tokens = int(batch["attention_mask"].sum())
-            b = to_device(batch, dist.device)
-            ids, labels = collator(b["input_ids"], b["attention_mask"])
-            kw = dict(input_ids=ids, attention_mask=b["attention_mask"], token_type_ids=b["token_type_ids"],
-                      labels=labels)
-            if has_nsp_head and "next_sentence_label" in b:
-                kw["next_sentence_label"] = b["next_sentence_label"]
+            tokens = int(batch["attention_mask"].sum())      # CPU tensors: no device sync
+            sequences = int((batch["cu_seqlens"].diff().view(-1, per_row + 1)[:, :per_row] > 0).sum())
+            kw = static_inputs(batch, collator, dist.device)
+            if not has_nsp_head:
+                kw["packed"].pop("next_sentence_label", None)
             out = engine(**kw)
             loss = guard.inject(out.loss, data_step)
             engine.backward(loss)
             guard.add_micro_loss(loss)
-            step_acc.add(out, kw.get("next_sentence_label"), tokens)
+            step_acc.add(out, kw["packed"].get("next_sentence_label"), tokens, sequences)
             last_micro = micro == engine.grad_accum - 1
             if last_micro:
                 guard.check_loss(engine)                   # collective: the same verdict on every rank

@@ -12,7 +12,7 @@ from fastbert.training.schedules import TimeBudgetSchedule
 class Accumulator:
     """Device-side sums over a logging window (no host sync until ``reduce``)."""
 
-    KEYS = ("loss", "micro", "mlm_correct", "mlm_count", "nsp_correct", "nsp_count", "tokens")
+    KEYS = ("loss", "micro", "mlm_correct", "mlm_count", "nsp_correct", "nsp_count", "tokens", "sequences")
 
     def __init__(self, device):
         self.device = device
@@ -21,17 +21,20 @@ class Accumulator:
     def reset(self):
         self.t = torch.zeros(len(self.KEYS), dtype=torch.float64, device=self.device)
 
-    def add(self, out, next_sentence_label, tokens: int):
-        vals = [out.loss.detach().double(), 1.0]
-        correct, count = getattr(out, "mlm_correct", None), getattr(out, "mlm_count", None)
-        vals += [correct if correct is not None else 0.0, count if count is not None else 0.0]
-        nsp = getattr(out, "nsp_correct", None)
-        if nsp is not None and next_sentence_label is not None:
-            vals += [nsp, float(next_sentence_label.numel())]
-        else:
-            vals += [0.0, 0.0]
-        vals.append(float(tokens))
-        self.t += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in vals])
+    def add(self, out, next_sentence_label, tokens: int, sequences: int):
+        """Add one micro-batch: the model's device scalars, and the host counts in one small copy."""
+        zero = out.loss.detach().new_zeros((), dtype=torch.float64)
+        dev = lambda v: zero if v is None else v.detach().double()  # noqa: E731
+        nsp, nsp_count = getattr(out, "nsp_correct", None), getattr(out, "nsp_count", None)
+        if nsp is None or next_sentence_label is None:
+            nsp = nsp_count = None
+        elif nsp_count is None:
+            nsp_count = zero + float(next_sentence_label.numel())
+        on_device = torch.stack([dev(out.loss), dev(getattr(out, "mlm_correct", None)),
+                                 dev(getattr(out, "mlm_count", None)), dev(nsp), dev(nsp_count)])
+        on_host = torch.tensor([1.0, float(tokens), float(sequences)], dtype=torch.float64)
+        self.t += torch.cat([on_device[:1], on_host[:1].to(self.device, non_blocking=True), on_device[1:],
+                             on_host[1:].to(self.device, non_blocking=True)])
 
     def merge(self, other: "Accumulator") -> None:
         self.t += other.t
@@ -52,28 +55,39 @@ def to_device(batch: dict, device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+def static_inputs(batch: dict, collator, device) -> dict:
+    """Model kwargs for one static-shape micro-batch (data/static_batch.py): masking on the device into
+    the collator's fixed slots; every shape is fixed by (rows, seq_len, per_row)."""
+    b = to_device(batch, device)
+    ids, positions, targets = collator.masked_slots(b["input_ids"], b["attention_mask"])
+    packed = {"input_ids": ids, "token_type_ids": b["token_type_ids"], "position_ids": b["position_ids"],
+              "cu_seqlens": b["cu_seqlens"], "max_seqlen": ids.shape[1], "mlm_positions": positions,
+              "mlm_targets": targets}
+    if "next_sentence_label" in b:
+        packed["cls_positions"] = b["cls_positions"]
+        packed["next_sentence_label"] = b["next_sentence_label"]
+    return {"packed": packed}
+
+
 def evaluate(engine: TrainEngine, batches: list, collator, collator_state: dict) -> dict:
     """MLM loss / accuracy (and NSP accuracy) on the fixed validation batches, all ranks together.
     The eval collator restarts from the same state each time: the same tokens are masked every eval."""
     collator.load_state_dict(collator_state)
     engine.eval()
     sums = torch.zeros(5, dtype=torch.float64, device=engine.device)
+    has_nsp = getattr(engine.module, "has_nsp", False)
     with torch.no_grad():
         for batch in batches:
-            b = to_device(batch, engine.device)
-            ids, labels = collator(b["input_ids"], b["attention_mask"])
-            kw = dict(input_ids=ids, attention_mask=b["attention_mask"], token_type_ids=b["token_type_ids"],
-                      labels=labels)
-            nsl = b.get("next_sentence_label")
-            if nsl is not None and getattr(engine.module, "has_nsp", False):
-                kw["next_sentence_label"] = nsl
+            kw = static_inputs(batch, collator, engine.device)
+            if not has_nsp:
+                kw["packed"].pop("next_sentence_label", None)
             out = engine(**kw)
             count = out.mlm_count.double()
             mlm_loss = out.mlm_loss if getattr(out, "mlm_loss", None) is not None else out.loss
-            nsp_c = out.nsp_correct.double() if getattr(out, "nsp_correct", None) is not None else count * 0
-            nsp_n = float(nsl.numel()) if "next_sentence_label" in kw else 0.0
-            sums += torch.stack([mlm_loss.detach().double() * count, out.mlm_correct.double(), count, nsp_c,
-                                 torch.tensor(nsp_n, dtype=torch.float64, device=engine.device)])
+            zero = count * 0
+            nsp_c = out.nsp_correct.double() if getattr(out, "nsp_correct", None) is not None else zero
+            nsp_n = out.nsp_count.double() if getattr(out, "nsp_count", None) is not None else zero
+            sums += torch.stack([mlm_loss.detach().double() * count, out.mlm_correct.double(), count, nsp_c, nsp_n])
     engine.train()
     loss_x_n, correct, n, nsp_c, nsp_n = all_reduce_sum(sums.tolist(), engine.device)
     result = {"mlm_loss": loss_x_n / max(n, 1), "mlm_acc": correct / max(n, 1), "mlm_tokens": n}
@@ -98,7 +112,8 @@ def eta(schedule, max_steps, done_steps, step_time) -> float:
 
 
 def train_metrics(s: dict, engine: TrainEngine, lr: float, steps: int, dt: float, mc, avg_len, peak) -> dict:
-    seqs = steps * engine.global_batch_size
+    # Real sequences (several share a row when packing), the unit HF's sequences/s counts too.
+    seqs = s["sequences"] or steps * engine.global_batch_size
     seq_per_s = seqs / dt if dt > 0 else 0.0
     tokens_per_s = s["tokens"] / dt if dt > 0 else 0.0
     # A window whose every step the guard skipped has no loss to report.
