@@ -245,6 +245,8 @@ def finetune(model_dir: str, task: str, data_dir: Path, seed: int, out: Path, ex
 
 
 def main_metric(task: str, metrics: dict) -> float:
+    """The task's main dev metric from ``fastbert finetune``'s metrics.json (dev scores under "metrics")."""
+    metrics = metrics.get("metrics", metrics)
     for key in ("accuracy", "eval_accuracy", "acc"):
         if key in metrics:
             return float(metrics[key])

@@ -190,18 +190,23 @@ def train(engine, features: Sequence[dict], collate: Callable[[list], dict], arg
             loss = engine(**batch).loss
             engine.backward(loss)
             engine.step()
-            value = float(loss.detach().float())
-            if not math.isfinite(value):
-                raise FloatingPointError(f"loss is {value} at step {step}; lower --lr or use --precision fp32")
-            result.losses.append((step, value))
-            window.append(value)
+            # Losses stay on the device and are read every log_every steps: no per-step host sync.
+            window.append(loss.detach().float())
             step += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{value:.4f}", epoch=epoch)
-            if logger is not None and (step % args.log_every == 0 or step == n_total):
-                lrs = [g["lr"] for g in engine.ds.optimizer.param_groups]
-                logger.log("train", step, loss=sum(window) / len(window), lr=lrs[0], head_lr=lrs[-1],
-                           epoch=step / per_epoch, elapsed_s=time.perf_counter() - t0)
+            if step % args.log_every == 0 or step == n_total:
+                values = torch.stack(window).tolist()
+                first = step - len(values)
+                for i, value in enumerate(values):
+                    if not math.isfinite(value):
+                        raise FloatingPointError(f"loss is {value} at step {first + i}; lower --lr or use "
+                                                 "--precision fp32")
+                    result.losses.append((first + i, value))
+                bar.update(len(values))
+                bar.set_postfix(loss=f"{values[-1]:.4f}", epoch=epoch)
+                if logger is not None:
+                    lrs = [g["lr"] for g in engine.ds.optimizer.param_groups]
+                    logger.log("train", step, loss=sum(values) / len(values), lr=lrs[0], head_lr=lrs[-1],
+                               epoch=step / per_epoch, elapsed_s=time.perf_counter() - t0)
                 window = []
         epoch += 1
         full_epoch = step == epoch * per_epoch or step == n_total

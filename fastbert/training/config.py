@@ -45,7 +45,9 @@ DEFAULTS: dict = {
         "gradient_clipping": 1.0,
         "precision": "auto",         # auto = bf16 on CUDA (fp16 where bf16 is missing), fp32 on CPU
         "deepspeed": None,           # DeepSpeed JSON (ZeRO, offload); None = ZeRO stage train.zero_stage
-        "zero_stage": None,          # overrides the JSON's stage when set
+        # "auto": stage 0 on one rank (measured fastest, benchmarks/RESULTS.md) unless the JSON offloads or asks
+        # for ZeRO-3 (memory), else the JSON's stage; a number overrides the JSON's stage.
+        "zero_stage": "auto",
         "seed": 42,
         "deterministic": False,      # bit-identical loss curves for the same seed and hardware (training/determinism.py)
         "clock": "monotonic",        # tests: "fake:TICK[:SKEW]"

@@ -1,0 +1,82 @@
+"""Where a `fastbert pretrain` step goes: the real command's loop, in-process, under torch.profiler.
+
+    python3 benchmarks/profile_pretrain.py --data DIR --out OUT [KEY=VALUE ...]
+
+Runs the same configuration as ``benchmarks/real_paths.py`` (BERT-base, seq 128, micro batch 128,
+bf16), profiles ``--active`` optimizer steps after ``--skip`` steps, and prints the step's wall time,
+the GPU's busy time in it, the top host (CPU) and device (CUDA) ops, and the number of
+device-to-host synchronisations per step (``cudaStreamSynchronize`` / ``cudaMemcpy`` D2H /
+``cudaEventSynchronize`` calls). Writes a Chrome trace to OUT/trace.json.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--data", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--skip", type=int, default=15)
+    p.add_argument("--active", type=int, default=5)
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args()
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from fastbert.training import engine as engine_mod
+    from fastbert.training.config import load_config
+    from fastbert.training.pretrain import run_pretraining
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    steps = args.skip + args.active + 2
+    cfg = load_config(REPO / "configs/base.json", [
+        f"output_dir={out / 'run'}", f"data.dir={args.data}", "data.auto_prepare=false", "train.deepspeed=null",
+        "train.precision=bf16", f"train.max_steps={steps}", "train.micro_batch_size=128",
+        "train.global_batch_size=128", "log.every_steps=5", "eval.every_steps=null", "eval.at_end=false",
+        "checkpoint.every_minutes=null", "checkpoint.every_steps=null", "checkpoint.at_end=false",
+        "export.hf=false", *args.overrides])
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=False)
+    state = {"n": 0, "t0": None}
+    original = engine_mod.TrainEngine.step
+
+    def step(self):
+        boundary = original(self)
+        if boundary:
+            state["n"] += 1
+            if state["n"] == args.skip:
+                torch.cuda.synchronize()
+                prof.start()
+                state["t0"] = time.perf_counter()
+            elif state["n"] == args.skip + args.active:
+                torch.cuda.synchronize()
+                state["wall"] = (time.perf_counter() - state["t0"]) / args.active
+                prof.stop()
+        return boundary
+
+    engine_mod.TrainEngine.step = step
+    run_pretraining(cfg)
+    ka = prof.key_averages()
+    per = 1.0 / args.active
+    gpu_us = sum(e.self_device_time_total for e in ka if e.device_type == torch.autograd.DeviceType.CUDA)
+    syncs = {e.key: e.count * per for e in ka
+             if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+             or (e.key.startswith("cudaMemcpy") and "Async" not in e.key)}
+    launches = sum(e.count for e in ka if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                                                    "cudaLaunchKernelExC")) * per
+    print(f"\nstep wall {state['wall'] * 1e3:.1f} ms | GPU busy {gpu_us * per / 1e3:.1f} ms/step "
+          f"({gpu_us * per / 1e6 / state['wall']:.0%}) | kernel launches {launches:.0f}/step | syncs/step {syncs}")
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    print(ka.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
+    prof.export_chrome_trace(str(out / "trace.json"))
+
+
+if __name__ == "__main__":
+    main()

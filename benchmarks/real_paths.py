@@ -1,0 +1,229 @@
+"""The commands users run, timed beside what they would run instead, on one card in one run.
+
+    python3 benchmarks/real_paths.py --parts pretrain --data DIR --out OUT
+    python3 benchmarks/real_paths.py --parts finetune --glue GLUE_DIR --vocab VOCAB_DIR --out OUT
+
+``pretrain``: BERT-base, seq 128, micro batch 128, bf16, real prepared Wikipedia data (DIR from
+``fastbert prepare --nsp --seq-len 128``): HF ``BertForPreTraining`` (SDPA) in a bare loop (bf16
+autocast, fused AdamW) and fastbert's model in the same bare loop (the model alone), then the real
+``fastbert pretrain`` command (DeepSpeed, loader, device masking, guard, logging) for each variant
+in ``--variants`` (ZeRO stage, packing, guard). sequences/s count real sequences (several share a
+row when fastbert packs), so every line measures the same data consumed per second.
+
+``finetune``: ``fastbert finetune --task sst2`` beside HF ``Trainer`` (SDPA, bf16,
+``DataCollatorWithPadding``) from the same random-init BERT-base checkpoint (HF layout, the
+bert-base-uncased vocabulary), the same examples (``--ft-train`` of SST-2's train set, 0 = all), one
+epoch, batch 32, lr 2e-5: training seconds and dev accuracy.
+
+Writes ``OUT/real_paths_<card>.json`` (every figure, with the card) and prints the table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+VARIANTS = {  # name: extra `fastbert pretrain` overrides
+    "default": [],                                     # what `fastbert pretrain` does unless told otherwise
+    "z0-pack": ["train.zero_stage=0"],
+    "z1-pack": ["train.zero_stage=1"],
+    "z2-pack": ["train.zero_stage=2"],
+    "z1-none": ["train.zero_stage=1", "data.packing=none"],
+    "z1-pack-noguard": ["train.zero_stage=1", "guard.enabled=false"],
+}
+
+
+def pretrain_command(out: Path, data: Path, steps: int, micro: int, extra, log: Path) -> dict:
+    cmd = [sys.executable, "-m", "fastbert.commands.pretrain", "--config", "configs/base.json",
+           f"output_dir={out}", f"data.dir={data}", "data.auto_prepare=false", "train.deepspeed=null",
+           "train.precision=bf16", f"train.max_steps={steps}", f"train.micro_batch_size={micro}",
+           f"train.global_batch_size={micro}", "train.warmup=0.1",
+           'train.optimizer={"type":"adamw","lr":5e-4,"betas":[0.9,0.98],"eps":1e-6,"weight_decay":0.01}',
+           "log.every_steps=5", "eval.every_steps=null", "eval.batches=4", "checkpoint.every_minutes=null",
+           "checkpoint.every_steps=null", "checkpoint.at_end=false", "export.hf=false", *extra]
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
+    t0 = time.time()
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    wall = time.time() - t0
+    if rc != 0:
+        print(f"run failed ({rc}): {' '.join(cmd)}\n" + log.read_text()[-3000:], flush=True)
+        return {"ok": False, "wall_s": wall}
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in recs if r["event"] == "train"]
+    start = next((r for r in recs if r["event"] == "start"), {})
+    later = [r["seq_per_s"] for r in train if r["step"] > 10] or [r["seq_per_s"] for r in train]
+    median = statistics.median(later)
+    guard = [r for r in recs if r["event"] == "guard"]
+    return {"ok": True, "wall_s": wall, "seq_per_s": median, "min_window_seq_per_s": min(later),
+            "min_over_median": min(later) / median, "windows": [round(r["seq_per_s"], 1) for r in train],
+            "tokens_per_s": statistics.median([r["tokens_per_s"] for r in train if r["step"] > 10] or [0]),
+            "mfu": statistics.median([r.get("mfu") or 0 for r in train if r["step"] > 10] or [0]),
+            "first_loss": train[0]["loss"], "last_loss": train[-1]["loss"], "guard_events": len(guard),
+            "first_window_s": train[0].get("elapsed_s"), "zero_stage": start.get("zero_stage")}
+
+
+def part_pretrain(args, res: dict) -> None:
+    from gpu_pretrain_check import hf_baseline
+    data, out = Path(args.data), Path(args.out)
+    res["hf_bare_loop"] = hf_baseline(data, args.micro, steps=20, which="hf")
+    print("hf bare loop:", res["hf_bare_loop"], flush=True)
+    res["fastbert_bare_loop"] = hf_baseline(data, args.micro, steps=20, which="fastbert")
+    print("fastbert model, bare loop:", res["fastbert_bare_loop"], flush=True)
+    for name in args.variants.split(","):
+        r = pretrain_command(out / f"pt_{name}", data, args.steps, args.micro, VARIANTS[name], out / f"log_pt_{name}.txt")
+        res[f"fastbert_pretrain_{name}"] = r
+        print(f"fastbert pretrain {name}:", {k: v for k, v in r.items() if k != "windows"}, flush=True)
+        save(args, res)
+
+
+def make_random_checkpoint(vocab_dir: Path, out: Path) -> Path:
+    """A random-init BERT-base in HF layout with the bert-base-uncased vocabulary (both tools start here)."""
+    import shutil
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(num_labels=2))
+    model.save_pretrained(out)
+    for name in ("vocab.txt", "tokenizer_config.json"):
+        if (vocab_dir / name).is_file():
+            shutil.copy(vocab_dir / name, out / name)
+    return out
+
+
+def hf_trainer_sst2(ckpt: Path, glue: Path, out: Path, n_train: int) -> dict:
+    import numpy as np
+    import torch
+    import transformers
+    from transformers import (BertForSequenceClassification, BertTokenizerFast, DataCollatorWithPadding, Trainer,
+                              TrainingArguments)
+    tok = BertTokenizerFast.from_pretrained(ckpt)
+
+    def load(split, limit):
+        lines = (glue / "SST-2" / f"{split}.tsv").read_text(encoding="utf-8").splitlines()[1:]  # header first
+        rows = [line.rsplit("\t", 1) for line in lines if line.strip()]
+        rows = rows[:limit] if limit else rows
+        enc = tok([sentence for sentence, _ in rows], truncation=True, max_length=128)
+        return [{"input_ids": i, "token_type_ids": t, "attention_mask": m, "labels": int(label)}
+                for i, t, m, (_, label) in zip(enc["input_ids"], enc["token_type_ids"], enc["attention_mask"], rows)]
+
+    train, dev = load("train", n_train), load("dev", 0)
+    model = BertForSequenceClassification.from_pretrained(ckpt, attn_implementation="sdpa")
+    targs = TrainingArguments(output_dir=str(out), per_device_train_batch_size=32, per_device_eval_batch_size=128,
+                              learning_rate=2e-5, num_train_epochs=1, warmup_steps=0.1, weight_decay=0.01, bf16=True,
+                              logging_steps=100, save_strategy="no", report_to=[], seed=42, dataloader_num_workers=2)
+
+    def metrics(p):
+        return {"accuracy": float((np.argmax(p.predictions, -1) == p.label_ids).mean())}
+    trainer = Trainer(model=model, args=targs, train_dataset=train, eval_dataset=dev,
+                      data_collator=DataCollatorWithPadding(tok), compute_metrics=metrics)
+    t0 = time.time()
+    tr = trainer.train()
+    train_s = time.time() - t0
+    ev = trainer.evaluate()
+    del trainer, model
+    torch.cuda.empty_cache()
+    return {"train_s": train_s, "train_runtime": tr.metrics.get("train_runtime"), "steps": tr.global_step,
+            "accuracy": ev.get("eval_accuracy"), "transformers": transformers.__version__}
+
+
+def fastbert_sst2(ckpt: Path, glue: Path, out: Path, n_train: int) -> dict:
+    cmd = [sys.executable, "-m", "fastbert.cli", "finetune", "--task", "sst2", "--data", str(glue / "SST-2"),
+           "--model", str(ckpt), "--output", str(out), "--epochs", "1", "--batch-size", "32", "--lr", "2e-5",
+           "--precision", "bf16", "--kernels", "triton"]
+    if n_train:
+        cmd += ["--max-train-samples", str(n_train)]
+    t0 = time.time()
+    with open(out.parent / "log_ft_fastbert.txt", "w") as f:
+        rc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=f,
+                            stderr=subprocess.STDOUT).returncode
+    wall = time.time() - t0
+    if rc != 0:
+        print("fastbert finetune failed:\n" + (out.parent / "log_ft_fastbert.txt").read_text()[-3000:], flush=True)
+        return {"ok": False, "wall_s": wall}
+    m = json.loads((out / "metrics.json").read_text())
+    return {"ok": True, "wall_s": wall, "train_s": m.get("train", {}).get("train_seconds"),
+            "steps": m.get("train", {}).get("steps"), "accuracy": m.get("metrics", {}).get("accuracy")}
+
+
+def part_finetune(args, res: dict) -> None:
+    out = Path(args.out)
+    ckpt = make_random_checkpoint(Path(args.vocab), out / "ckpt")
+    glue = Path(args.glue)
+    res["hf_trainer_sst2"] = hf_trainer_sst2(ckpt, glue, out / "ft_hf", args.ft_train)
+    print("HF Trainer sst2:", res["hf_trainer_sst2"], flush=True)
+    res["fastbert_finetune_sst2"] = fastbert_sst2(ckpt, glue, out / "ft_fastbert", args.ft_train)
+    print("fastbert finetune sst2:", res["fastbert_finetune_sst2"], flush=True)
+
+
+def save(args, res: dict) -> Path:
+    """Write what is measured so far (a run cut short keeps its figures)."""
+    name = "real_paths_" + "".join(c if c.isalnum() else "_" for c in res["card"]) + ".json"
+    path = Path(args.json_dir or args.out) / name
+    path.write_text(json.dumps(res, indent=1))
+    return path
+
+
+def table(res: dict) -> str:
+    rows = [("what", "seq/s or train s", "ratio")]
+    hf = res.get("hf_bare_loop", {}).get("seq_per_s")
+    bare = res.get("fastbert_bare_loop", {}).get("seq_per_s")
+    if hf:
+        rows.append(("HF BertForPreTraining bare loop (SDPA, bf16)", f"{hf:.0f}", "1.00x"))
+    if bare:
+        rows.append(("fastbert model, same bare loop", f"{bare:.0f}", f"{bare / hf:.2f}x" if hf else ""))
+    for k, v in res.items():
+        if k.startswith("fastbert_pretrain_") and v.get("ok"):
+            extra = f" (min window {v['min_over_median']:.0%} of median; {v['guard_events']} guard events)"
+            rows.append((f"fastbert pretrain {k[18:]}", f"{v['seq_per_s']:.0f}{extra}",
+                         (f"{v['seq_per_s'] / hf:.2f}x HF" if hf else "") +
+                         (f", {v['seq_per_s'] / bare:.0%} of bare" if bare else "")))
+    t, f = res.get("hf_trainer_sst2"), res.get("fastbert_finetune_sst2")
+    if t:
+        rows.append(("HF Trainer sst2 (train s, dev acc)", f"{t['train_s']:.1f} s, {t['accuracy']:.4f}", "1.00x"))
+    if t and f and f.get("ok") and f.get("train_s"):
+        rows.append(("fastbert finetune sst2 (train s, dev acc)", f"{f['train_s']:.1f} s, {f['accuracy']:.4f}",
+                     f"{t['train_s'] / f['train_s']:.2f}x faster"))
+    w = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join(" | ".join(c.ljust(w[i]) for i, c in enumerate(r)) for r in rows)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--parts", default="pretrain,finetune")
+    p.add_argument("--data", help="prepared NSP data, seq 128 (pretrain)")
+    p.add_argument("--glue", help="GLUE root with SST-2 (finetune)")
+    p.add_argument("--vocab", help="folder with the bert-base-uncased vocab.txt (finetune)")
+    p.add_argument("--out", required=True, help="working folder (runs, logs)")
+    p.add_argument("--json-dir", help="where real_paths_<card>.json goes (default: --out)")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--micro", type=int, default=128)
+    p.add_argument("--variants", default="z1-pack,z0-pack,z2-pack,z1-none,z1-pack-noguard")
+    p.add_argument("--ft-train", type=int, default=0, help="SST-2 training examples (0 = all 67,349)")
+    args = p.parse_args()
+    import torch
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    card = torch.cuda.get_device_name(0)
+    res = {"card": card, "torch": torch.__version__, "micro_batch": args.micro, "steps": args.steps}
+    parts = args.parts.split(",")
+    if "pretrain" in parts:
+        part_pretrain(args, res)
+    save(args, res)
+    if "finetune" in parts:
+        part_finetune(args, res)
+    save(args, res)
+    print(f"\n==== {card} ====\n" + table(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()
