@@ -98,3 +98,41 @@ def test_packed_step_matches_padded_call(kernels, cls):
     assert g.keys() == g_ref.keys()
     for name in g_ref:
         torch.testing.assert_close(g[name], g_ref[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_packed_step_reads_nothing_back(monkeypatch):
+    """Masking into fixed slots and the packed forward + backward on the fused kernels (the GPU path;
+    the interpreter on CPU) never read a value from the device: Tensor.item / tolist / __bool__ /
+    nonzero are forbidden while they run (what would stall a GPU step)."""
+    from fastbert.data.masking import MaskingCollator
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=SEQ, kernels="triton")
+    model = BertForPreTraining(cfg).to(DEVICE).train()
+    seqs = sequences(3, 8)
+    arrays = build_rows([seqs[i:i + 2] for i in range(0, 8, 2)], SEQ, 3, 0, nsp=True)
+    batch = {k: torch.as_tensor(v, device=DEVICE) for k, v in arrays.items()}
+    collator = MaskingCollator(VOCAB, [0, 1, 2, 3], 3, device=DEVICE)
+
+    import sys
+    # Dropout seeds are drawn from torch's CPU generator (a host value, never a device read).
+    seed_draws = {"new_seed", "draw_seed", "_scale_and_seed", "resolve_seed"}
+    originals = {name: getattr(torch.Tensor, name) for name in ("item", "tolist", "__bool__", "nonzero")}
+
+    def forbidden(name):
+        def call(*args, **kwargs):
+            if sys._getframe(1).f_code.co_name in seed_draws and name == "Tensor.item":
+                return originals["item"](*args, **kwargs)
+            raise AssertionError(f"{name} reads a value back from the device inside a step")
+        return call
+    for name in ("item", "tolist", "__bool__", "nonzero"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden(f"Tensor.{name}"))
+    monkeypatch.setattr(torch, "nonzero", forbidden("torch.nonzero"))
+    ids, positions, targets = collator.masked_slots(batch["input_ids"], batch["attention_mask"])
+    packed = dict(input_ids=ids, token_type_ids=batch["token_type_ids"], position_ids=batch["position_ids"],
+                  cu_seqlens=batch["cu_seqlens"], max_seqlen=SEQ, mlm_positions=positions, mlm_targets=targets,
+                  cls_positions=batch["cls_positions"], next_sentence_label=batch["next_sentence_label"])
+    out = model(packed=packed)
+    out.loss.backward()
+    monkeypatch.undo()
+    assert torch.isfinite(out.loss) and int(out.mlm_count) > 0 and int(out.nsp_count) == 8
