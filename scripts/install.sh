@@ -40,7 +40,7 @@ if [ ! -x "$PY" ]; then
 fi
 
 inputs_hash() {
-  { echo "$("$PY" -c 'import sys; print(sys.version)')"
+  { readlink -f "$PY"
     cat scripts/install.sh setup.py pyproject.toml fastbert/__init__.py
     find csrc -type f -not -path '*/generated/*' | LC_ALL=C sort | xargs cat; } | sha256sum | cut -d' ' -f1
 }
@@ -75,11 +75,12 @@ else
     "${PIP[@]}" --no-build-isolation "deepspeed>=0.14"
   fi
   "$PY" -c "import fastbert, fastbert._C as c; print('[install] fastbert', fastbert.__version__, c.build_info())"
+  "$PY" -c 'import torch; print("cuda" if torch.version.cuda else "cpu")' > "$VENV/.fastbert-torch"
   echo "$now" > "$STAMP"
 fi
-# Without CUDA, DeepSpeed talks between ranks through an op it compiles on first use: build it now.
-if "$PY" -c 'import sys, torch; sys.exit(torch.version.cuda is not None)' &&
-   ! "$PY" -m fastbert.training.ds_ops --built >/dev/null 2>&1; then
+# Without CUDA, DeepSpeed talks between ranks through an op it compiles on first use: build it now
+# (checked without starting Python, so an up-to-date re-run takes a second).
+if [ "$(cat "$VENV/.fastbert-torch")" = cpu ] && [ ! -f "$TORCH_EXTENSIONS_DIR/deepspeed_shm_comm/deepspeed_shm_comm.so" ]; then
   echo "[install] DeepSpeed's CPU communication op into $TORCH_EXTENSIONS_DIR (one-time build, ~1 min)"
   "$PY" -m fastbert.training.ds_ops --build
 fi

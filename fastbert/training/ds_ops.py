@@ -47,10 +47,8 @@ def build() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--built"]:
-        sys.exit(0 if is_built() else 1)
-    if sys.argv[1:] == ["--build"]:
-        build()
-        sys.exit(0 if is_built() else 1)
-    print("usage: python -m fastbert.training.ds_ops --built | --build", file=sys.stderr)
-    sys.exit(2)
+    if sys.argv[1:] != ["--build"]:
+        print("usage: python -m fastbert.training.ds_ops --build", file=sys.stderr)
+        sys.exit(2)
+    build()
+    sys.exit(0 if is_built() else 1)
