@@ -90,4 +90,5 @@ def validate(cfg: dict) -> None:
         raise ConfigError(f"dist.heartbeat_timeout_s ({hbt}) must be at least twice dist.heartbeat_s ({hb})")
     m = cfg["data"]["masking"]
     if m["mask_prob"] + m["random_prob"] > 1:
-        raise ConfigError(f"data.masking.mask_prob + random_prob must be <= 1, got {m['mask_prob']} + {m['random_prob']}")
+        raise ConfigError(f"data.masking.mask_prob + random_prob must be <= 1, got {m['mask_prob']} + "
+                          f"{m['random_prob']}")

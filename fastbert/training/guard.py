@@ -22,11 +22,12 @@ that window: a series that is noisy by nature needs a bigger jump to count. Spik
 fast by design). The gradient-norm factor is large (100) on purpose: healthy runs of the demo config
 show single-step norm spikes of ~8x the median (tests/reliability/guard_traces.json), gradient
 clipping already bounds what such a step can do, and skipping leaves the model where the large
-gradients are, so the next steps spike again (the skip / rollback cascades seen with a factor of 10);
-divergence shows in the loss, and non-finite values are always caught. A bad step is skipped by making the
-innermost torch optimizer's ``step`` a no-op for that step (``install``): no parameter, moment or
-step-count update on any rank; DeepSpeed still clears the gradients and counts the step, so the
-data position and the schedule move on. Steps DeepSpeed skips itself (fp16 overflow, or a non-finite
+gradients are, so the next steps likely spike again (probably the skip / rollback cascades seen with a
+factor of 10); divergence shows in the loss, and non-finite values are always caught.
+
+A bad step is skipped by making the innermost torch optimizer's ``step`` a no-op for that step
+(``install``): no parameter, moment or step-count update on any rank; DeepSpeed still clears the
+gradients and counts the step, so the data position and the schedule move on. Steps DeepSpeed skips itself (fp16 overflow, or a non-finite
 norm its ZeRO optimizer caught) are reported too; fp16 overflows are part of dynamic loss scaling
 and never count towards a rollback. After ``rollback_after`` consecutive bad steps the verdict asks
 for a rollback to the last good checkpoint (the loop then also moves past the offending data).
