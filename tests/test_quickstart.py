@@ -53,8 +53,8 @@ def test_quickstart_in_a_fresh_clone(tmp_path, data_dir):
         shutil.copytree(REPO / ".torch_extensions", clone / ".torch_extensions")
     before = _freeze(env)
     corpus = sorted((data_dir / "pretrain" / "enwiki_wikiextractor").glob("*.xz"))[0]
-    small = [f'data.prepare.corpus=["{corpus}"]', "data.prepare.workers=1", "log.every_steps=2", "eval.batches=2",
-             "train.time_budget=null"]
+    small = [f'data.prepare.corpus=["{corpus}"]', "data.prepare.workers=1", "data.prepare.val_fraction=0.1",
+             "log.every_steps=2", "eval.batches=2", "eval.micro_batch_size=8", "train.time_budget=null"]
 
     log1 = tmp_path / "run1.txt"
     with open(log1, "w") as f:
