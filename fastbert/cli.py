@@ -64,9 +64,11 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"fastbert {args.command}: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"fastbert {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        from fastbert.training.interrupt import Terminated
+        terminated = isinstance(e, Terminated)       # SIGTERM, where a command turned it into an exception
+        print(f"fastbert {args.command}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        return 143 if terminated else 130
 
 
 if __name__ == "__main__":

@@ -22,19 +22,24 @@ def encode_sentences(model, tokenizer, texts: Sequence[str], batch_size: int = 6
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
     out = torch.empty(len(texts), model.config.hidden_size)
     bar = tqdm(total=len(texts), desc="embed", unit="line", disable=not progress, dynamic_ncols=True)
-    for start in range(0, len(order), batch_size):
-        idx = order[start:start + batch_size]
-        enc = tokenizer([texts[i] for i in idx], max_length=max_length, truncation=True, padding="longest",
-                        return_tensors="pt")
-        ids = enc["input_ids"].to(device)
-        mask = enc["attention_mask"].to(device)
-        hidden = model(input_ids=ids, attention_mask=mask, token_type_ids=enc["token_type_ids"].to(device))
-        emb = mean_pool(hidden.last_hidden_state.float(), mask)
-        if normalize:
-            emb = torch.nn.functional.normalize(emb, dim=-1)
-        out[idx] = emb.cpu()
-        bar.update(len(idx))
-    bar.close()
+    try:
+        for start in range(0, len(order), batch_size):
+            idx = order[start:start + batch_size]
+            enc = tokenizer([texts[i] for i in idx], max_length=max_length, truncation=True, padding="longest",
+                            return_tensors="pt")
+            ids = enc["input_ids"].to(device)
+            mask = enc["attention_mask"].to(device)
+            hidden = model(input_ids=ids, attention_mask=mask, token_type_ids=enc["token_type_ids"].to(device))
+            emb = mean_pool(hidden.last_hidden_state.float(), mask)
+            if normalize:
+                emb = torch.nn.functional.normalize(emb, dim=-1)
+            out[idx] = emb.cpu()
+            bar.update(len(idx))
+    except BaseException:
+        bar.leave = False          # the error message gets the line, not a half-drawn bar
+        raise
+    finally:
+        bar.close()
     return out
 
 

@@ -62,8 +62,10 @@ def check_checkpoint(model_dir: Path) -> dict:
                             "directory with config.json, model.safetensors and vocab.txt)")
     for need in ("config.json", "vocab.txt"):
         if not (model_dir / need).is_file():
+            from fastbert.hf import not_a_checkpoint_hint
             raise FinetuneError(f"{model_dir} has no {need}: pass an HF BERT checkpoint directory "
-                                "(config.json, model.safetensors or pytorch_model.bin, vocab.txt)")
+                                "(config.json, model.safetensors or pytorch_model.bin, vocab.txt)"
+                                + not_a_checkpoint_hint(model_dir))
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except json.JSONDecodeError as e:

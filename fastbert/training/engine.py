@@ -94,6 +94,9 @@ def init_distributed(timeout_s: float = 1800.0) -> DistInfo:
     if not has_cuda:
         # DeepSpeed picks its accelerator at import time; without CUDA it must be told "cpu".
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        from fastbert.training import ds_ops
+        ds_ops.announce_cpu_build(lambda text: print(text, flush=True) if os.environ.get("LOCAL_RANK", "0") == "0"
+                                  else None)
     _forget_inherited_world()
     own_port = alone = False
     if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:

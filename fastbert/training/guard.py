@@ -10,16 +10,24 @@ Per optimizer step, in the training loop::
 
 What is checked, with the same answer on every rank:
 
-* the loss, averaged over micro-batches and ranks (one all-reduce): non-finite, or above
-  ``loss_factor`` x the running median of the last ``window`` steps;
+* the loss, averaged over micro-batches and ranks (one all-reduce): non-finite, or a spike;
 * the global gradient norm before clipping, as DeepSpeed's ZeRO / bf16 / fp16 optimizers computed it
   (already reduced over ranks), or over the all-reduced ``.grad`` tensors (ZeRO-0 fp32): non-finite,
-  or above ``grad_norm_factor`` x its running median.
+  or a spike.
 
-Spike checks start once ``min_history`` steps are in the window. A bad step is skipped by making the
-innermost torch optimizer's ``step`` a no-op for that step (``install``): no parameter, moment or
-step-count update on any rank; DeepSpeed still clears the gradients and counts the step, so the
-data position and the schedule move on. Steps DeepSpeed skips itself (fp16 overflow, or a non-finite
+A spike is a value above BOTH ``factor`` x the running median of the last ``window`` steps AND the
+median plus ``noise_sigmas`` robust standard deviations (1.4826 x the median absolute deviation) of
+that window: a series that is noisy by nature needs a bigger jump to count. Spike checks start once
+``min_history`` steps are in the window and step ``warmup_steps`` is reached (the first steps move
+fast by design). The gradient-norm factor is large (100) on purpose: healthy runs of the demo config
+show single-step norm spikes of ~8x the median (tests/reliability/guard_traces.json), gradient
+clipping already bounds what such a step can do, and skipping leaves the model where the large
+gradients are, so the next steps likely spike again (probably the skip / rollback cascades seen with a
+factor of 10); divergence shows in the loss, and non-finite values are always caught.
+
+A bad step is skipped by making the innermost torch optimizer's ``step`` a no-op for that step
+(``install``): no parameter, moment or step-count update on any rank; DeepSpeed still clears the
+gradients and counts the step, so the data position and the schedule move on. Steps DeepSpeed skips itself (fp16 overflow, or a non-finite
 norm its ZeRO optimizer caught) are reported too; fp16 overflows are part of dynamic loss scaling
 and never count towards a rollback. After ``rollback_after`` consecutive bad steps the verdict asks
 for a rollback to the last good checkpoint (the loop then also moves past the offending data).
@@ -37,9 +45,11 @@ import torch
 DEFAULTS = {
     "enabled": True,
     "window": 50,               # running median over the last N steps
-    "min_history": 10,          # spike checks start after this many steps
-    "loss_factor": 3.0,         # loss > factor x median: spike (0 or null = off)
-    "grad_norm_factor": 10.0,   # grad norm > factor x median: spike (0 or null = off)
+    "min_history": 10,          # spike checks start after this many steps in the window ...
+    "warmup_steps": 50,         # ... and from this optimizer step on
+    "loss_factor": 3.0,         # loss > factor x median (and beyond its noise): spike (0 or null = off)
+    "grad_norm_factor": 100.0,  # grad norm > factor x median (and beyond its noise): spike (0 or null = off)
+    "noise_sigmas": 8.0,        # a spike also exceeds median + this many robust standard deviations
     "rollback_after": 3,        # consecutive bad steps before rolling back to the last good checkpoint
     "max_rollbacks": 5,         # then stop with an error
     # Fault injection for tests and drills: on rank 0, at these (data) steps, multiply the loss by NaN
@@ -88,6 +98,8 @@ class SpikeGuard:
         self.enabled = bool(c["enabled"])
         self.window = int(c["window"])
         self.min_history = int(c["min_history"])
+        self.warmup_steps = int(c["warmup_steps"])
+        self.noise_sigmas = float(c["noise_sigmas"])
         self.loss_factor = float(c["loss_factor"] or 0.0)
         self.grad_norm_factor = float(c["grad_norm_factor"] or 0.0)
         self.rollback_after = int(c["rollback_after"])
@@ -97,6 +109,8 @@ class SpikeGuard:
         self.spike_factor = float(c["inject_spike_factor"])
         if self.window < 1 or self.min_history < 1 or self.min_history > self.window:
             raise ValueError("guard: need 1 <= min_history <= window")
+        if self.warmup_steps < 0 or self.noise_sigmas < 0:
+            raise ValueError("guard: warmup_steps and noise_sigmas must be >= 0")
         if self.rollback_after < 1 or self.max_rollbacks < 0:
             raise ValueError("guard: rollback_after must be >= 1 and max_rollbacks >= 0")
         self.rank, self.device = rank, device
@@ -105,18 +119,20 @@ class SpikeGuard:
         self.consecutive_bad = 0
         self.rollbacks = 0
         self.skipped_total = 0
+        self.steps_seen = 0         # optimizer steps checked (spike checks wait for warmup_steps)
         self._reset_step()
 
     # ------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         return {"losses": list(self.losses), "norms": list(self.norms), "rollbacks": self.rollbacks,
-                "skipped_total": self.skipped_total}
+                "skipped_total": self.skipped_total, "steps_seen": self.steps_seen}
 
     def load_state_dict(self, state: dict) -> None:
         self.losses.extend(state.get("losses", []))
         self.norms.extend(state.get("norms", []))
         self.rollbacks = int(state.get("rollbacks", 0))
         self.skipped_total = int(state.get("skipped_total", 0))
+        self.steps_seen = int(state.get("steps_seen", len(self.losses)))
 
     @property
     def healthy(self) -> bool:
@@ -172,9 +188,16 @@ class SpikeGuard:
             self._norm = _grad_norm_of(engine.module)
 
     def _spike(self, value: float, history: deque, factor: float) -> bool:
-        if not factor or len(history) < self.min_history:
-            return False
-        return value > factor * median(history)
+        return value > self.threshold(history, factor)
+
+    def threshold(self, history, factor: float) -> float:
+        """The spike threshold of a series: above factor x median and median + noise_sigmas x robust std
+        (inf while the checks wait for history or warm-up, or when ``factor`` is off)."""
+        if not factor or len(history) < self.min_history or self.steps_seen < self.warmup_steps:
+            return math.inf
+        mid = median(history)
+        robust_std = 1.4826 * median(abs(x - mid) for x in history)
+        return max(factor * mid, mid + self.noise_sigmas * robust_std)
 
     def decide_in_optimizer(self, wrapper) -> bool:
         """Called by the guarded inner optimizer (once or per param group): True = skip the update."""
@@ -220,6 +243,7 @@ class SpikeGuard:
             self.norms.append(self._norm)
         reason = self._skip_reason
         self._reset_step()
+        self.steps_seen += 1
         if reason is None:
             self.consecutive_bad = 0
             return None

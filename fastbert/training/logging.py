@@ -1,12 +1,14 @@
 """Training logs: console progress (seq/s, tokens/s, MFU, ETA), JSONL, TensorBoard; the FLOP model.
 
-Only rank 0 writes. JSONL lines are ``{"event": "train"|"eval"|"checkpoint"|..., "step": ..., ...}``
-and are flushed at once so a killed run keeps everything it logged.
+Only rank 0 writes. JSONL lines are ``{"event": "train"|"eval"|"checkpoint"|..., "step": ..., "run": ...}``
+and are flushed at once so a killed run keeps everything it logged. A resumed run appends to the same
+file; ``run`` (start time and process id, e.g. ``20261126-093400-4242``) tells the runs apart.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -58,6 +60,7 @@ class MetricsLogger:
         self.want_tensorboard = tensorboard
         self.jsonl = None
         self.tb = None
+        self.run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
     def _open(self) -> None:
         """Files are created at the first record, so a run that fails its checks leaves nothing behind."""
@@ -79,7 +82,7 @@ class MetricsLogger:
             return
         if self.jsonl is None:
             self._open()
-        record = {"event": event, "step": step, "time": time.time(), **values}
+        record = {"event": event, "step": step, "time": time.time(), "run": self.run_id, **values}
         self.jsonl.write(json.dumps(record) + "\n")
         if self.tb is not None:
             for k, v in values.items():

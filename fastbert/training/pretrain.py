@@ -31,6 +31,7 @@ from fastbert.training import checkpoint as ckpt
 from fastbert.training import determinism, hf_export, preflight
 from fastbert.training.engine import DistInfo, all_reduce_sum, barrier, build_engine, load_ds_config
 from fastbert.training.guard import SpikeGuard, Verdict, install as install_guard
+from fastbert.training.interrupt import StopRequest
 from fastbert.training.logging import MetricsLogger, peak_tflops
 from fastbert.training.manifest import build_manifest, write_manifest
 from fastbert.training.pretrain_metrics import Accumulator, eta, evaluate, schedule_info, static_inputs, train_metrics
@@ -316,7 +317,7 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict
         schedule.load_state_dict(client["schedule"])
         log.log("resume", engine.global_steps, tag=resume_tag, world_size=dist.world_size, data_skip=r.data_skip,
                 weights_match=match)
-        log.print(f"[fastbert] resumed from {r.ckpt_dir / resume_tag} at step {engine.global_steps}")
+        log.print(f"[fastbert] resuming from step {engine.global_steps} ({r.ckpt_dir / resume_tag})")
     start_step = engine.global_steps
 
     # Static shapes: rows of seq_len tokens, several sequences a row when packing (data/static_batch.py).
@@ -365,6 +366,7 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict
     last_ckpt_step = start_step
     schedule_started = False
     has_nsp_head = getattr(model, "has_nsp", False)
+    stop, stopped = StopRequest(log.print, c_cfg["interrupt_timeout_s"]).install(), False
     batches = iter(loader)
     try:
         while True:
@@ -417,7 +419,7 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict
             if done_steps % log_every == 0:
                 now = time.monotonic()
                 flags = [float(want_eval_at is not None and now >= want_eval_at),
-                         float(want_ckpt_at is not None and now >= want_ckpt_at)]
+                         float(want_ckpt_at is not None and now >= want_ckpt_at), float(stop.requested)]
                 sums, flags = acc.reduce(flags)
                 dt = time.perf_counter() - window_t0
                 r.train_metrics = train_metrics(sums, engine, step_lr, window_steps, dt, mc, avg_len, peak)
@@ -427,9 +429,10 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict
                                                                        dt / max(1, window_steps)))
                 log.log("train", done_steps, **r.train_metrics, **schedule_info(schedule))
                 window_t0, window_steps = time.perf_counter(), 0
-                eval_due_time, ckpt_due_time = flags[0] > 0, flags[1] > 0
+                eval_due_time, ckpt_due_time, stop_due = flags[0] > 0, flags[1] > 0, flags[2] > 0
             else:
                 eval_due_time = ckpt_due_time = False
+                stop_due = dist.world_size == 1 and stop.requested      # one rank: no agreement needed
             # ---- evaluation
             if val_batches and (eval_due_time or _every(e_cfg["every_steps"], done_steps)):
                 r.last_eval = evaluate(engine, val_batches, eval_collator, eval_state)
@@ -442,9 +445,21 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict
                 last_ckpt_step = done_steps
                 want_ckpt_at = _next_deadline(c_cfg["every_minutes"])
                 window_t0 = time.perf_counter()
+            # ---- SIGINT / SIGTERM: a checkpoint at this step boundary, then stop (training/interrupt.py)
+            if stop_due:
+                if last_ckpt_step != done_steps:
+                    r.save(done_steps)
+                    last_ckpt_step = done_steps
+                stopped = True
+                break
     finally:
         loader.close()
+        stop.remove()
     final_step = engine.global_steps
+    if stopped:
+        return _stopped(r, stop, final_step)
+    if final_step == start_step and resume_tag is not None:
+        _say_budget_spent(r, final_step)
     if val_batches and e_cfg["at_end"]:
         r.last_eval = evaluate(engine, val_batches, eval_collator, eval_state)
         log.log("eval", final_step, final=True, **r.last_eval)
@@ -466,6 +481,30 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict
         write_manifest(out_dir / "manifest.json", r.manifest(final_step, final=True))
         atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+def _stopped(r: _Run, stop: StopRequest, step: int) -> dict:
+    """The summary of a run stopped by a signal after its checkpoint at ``step``."""
+    tag = ckpt.find_latest(r.ckpt_dir)
+    r.log.log("interrupted", step, signal=int(stop.signum), checkpoint=tag)
+    summary = {"steps": step, "interrupted": int(stop.signum), "exit_code": stop.exit_code,
+               "checkpoint": str(r.ckpt_dir / tag) if tag else None, "eval": None, "hf_dir": None}
+    if r.dist.is_main:
+        write_manifest(r.out_dir / "manifest.json", r.manifest(step))
+    return summary
+
+
+def _say_budget_spent(r: _Run, step: int) -> None:
+    """A resumed run with nothing left to train says so, and how to train longer."""
+    t = r.cfg["train"]
+    if t["time_budget"] is not None and r.schedule.done(step):
+        what, longer = f"train.time_budget={t['time_budget']}", "train.time_budget=<longer> (e.g. 10m; the schedule " \
+                                                             "stretches to the new budget)"
+    else:
+        what, longer = f"train.max_steps={t['max_steps']}", f"train.max_steps=<more than {step}>"
+    r.log.print(f"[fastbert] {what} is already spent: the checkpoint at step {step} in {r.ckpt_dir} finished it, so "
+                f"there is nothing left to train. To train longer, run again with {longer}; to start over, "
+                "checkpoint.resume=never (or another output_dir)")
 
 
 def _export_hf(r: _Run, tag: Optional[str]) -> Path:

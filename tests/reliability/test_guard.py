@@ -48,7 +48,8 @@ def guarded(cfg=None):
     model = torch.nn.Linear(3, 2)
     inner = torch.optim.AdamW(model.parameters(), lr=0.1)
     zero = FakeZero(inner)
-    guard = SpikeGuard(dict({"min_history": 3, "window": 10}, **(cfg or {})))
+    guard = SpikeGuard(dict({"min_history": 3, "window": 10, "warmup_steps": 0, "grad_norm_factor": 10.0},
+                            **(cfg or {})))
     engine = FakeEngine(model, zero)
     install(engine, guard)
     return guard, engine, zero, model
@@ -176,7 +177,7 @@ def faulty_run(data_dir, tmp_path_factory):
     data = prepare_slice(data_dir, root / "data", num_files=1, seq_len=32)
     out = root / "out"
     cfg = tiny_config(data, out, steps=20, ckpt_every=5, keep=2,
-                      guard={"min_history": 4, "inject_nan_steps": [NAN_AT, *STREAK],
+                      guard={"min_history": 4, "warmup_steps": 0, "inject_nan_steps": [NAN_AT, *STREAK],
                              "inject_spike_steps": [SPIKE_AT], "inject_spike_factor": 100.0})
     run_cli(write_config(root / "cfg.json", cfg), root / "log.txt")
     return out, (root / "log.txt").read_text()
@@ -255,7 +256,7 @@ def test_two_ranks_skip_in_agreement(data_dir, tmp_path):
     data = prepare_slice(data_dir, tmp_path / "data", num_files=1, seq_len=32)
     out = tmp_path / "out"
     cfg = tiny_config(data, out, steps=8, ckpt_every=None,
-                      guard={"min_history": 2, "inject_nan_steps": [3], "inject_spike_steps": [5]},
+                      guard={"min_history": 2, "warmup_steps": 0, "inject_nan_steps": [3], "inject_spike_steps": [5]},
                       train={"zero_stage": 2})
     run(torchrun_cmd(write_config(tmp_path / "cfg.json", cfg), nproc=2), tmp_path / "log.txt")
     assert [(e["data_step"], e["reason"]) for e in records(out, "guard")] == [(3, "nonfinite_loss"), (5, "loss_spike")]
