@@ -17,6 +17,7 @@ import pytest
 
 from fastbert.tokenization.reference import ReferenceTokenizer, is_control, is_punctuation, is_whitespace
 from fastbert.tokenization.wordpiece import WordPieceTokenizer
+from tokenizer_testing import hf_options
 
 transformers = pytest.importorskip("transformers")
 from transformers import BertTokenizerFast  # noqa: E402
@@ -41,17 +42,15 @@ def build(tmp_path, tokens, cls, **opts):
     directory = tmp_path / f"vocab-{abs(hash(tuple(tokens)))}"
     directory.mkdir(exist_ok=True)
     (directory / "vocab.txt").write_text("".join(t + "\n" for t in tokens), encoding="utf-8")
-    hf_opts = {"do_lower_case": opts.get("lowercase", True)}
-    hf_opts.update({k: v for k, v in opts.items() if k in ("strip_accents", "tokenize_chinese_chars")})
-    return cls(directory / "vocab.txt", **opts), BertTokenizerFast.from_pretrained(str(directory), **hf_opts)
+    hf = BertTokenizerFast.from_pretrained(str(directory), **hf_options({"lowercase": True, **opts}))
+    return cls(directory / "vocab.txt", **opts), hf
 
 
 def shared(data_dir, name, cls, **opts):
     """(ours, HF) over one of the published BERT vocabularies in ../shared/data/vocab."""
     directory = data_dir / "vocab" / name
-    hf_opts = {"do_lower_case": opts.get("lowercase", True)}
-    hf_opts.update({k: v for k, v in opts.items() if k in ("strip_accents", "tokenize_chinese_chars")})
-    ours, hf = cls(directory / "vocab.txt", **opts), BertTokenizerFast.from_pretrained(str(directory), **hf_opts)
+    hf = BertTokenizerFast.from_pretrained(str(directory), **hf_options({"lowercase": True, **opts}))
+    ours = cls(directory / "vocab.txt", **opts)
     assert len(ours) == len(hf)
     return ours, hf
 
