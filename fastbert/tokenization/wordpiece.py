@@ -207,12 +207,12 @@ class WordPieceTokenizer(TokenizerBase):
         if return_offsets_mapping:
             enc["offset_mapping"] = enc.pop("offsets")
         if return_special_tokens_mask:
-            mask, types = enc["attention_mask"], enc["token_type_ids"]
-            if isinstance(mask, list):  # padding=False: one 1-D row each
-                enc["special_tokens_mask"] = [added_special_mask(m[None], t[None], add_special_tokens, pairs is not None)[0]
+            mask, types, is_pair = enc["attention_mask"], enc["token_type_ids"], pairs is not None
+            if isinstance(mask, list):  # one 1-D row each (no padding, or rows longer than max_length)
+                enc["special_tokens_mask"] = [added_special_mask(m[None], t[None], add_special_tokens, is_pair)[0]
                                               for m, t in zip(mask, types)]
             else:
-                enc["special_tokens_mask"] = added_special_mask(mask, types, add_special_tokens, pairs is not None)
+                enc["special_tokens_mask"] = added_special_mask(mask, types, add_special_tokens, is_pair)
         if not return_token_type_ids:
             del enc["token_type_ids"]
         if not return_attention_mask:
