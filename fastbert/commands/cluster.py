@@ -11,7 +11,11 @@ def add_parser(sub):
                                    "group the lines into --k clusters with k-means (k-means++, best of --n-init). "
                                    "Prints each cluster's lines; --out writes them as JSON.")
     p.add_argument("--model", required=True, help="HF BERT checkpoint directory (e.g. the output of sbert-train)")
-    p.add_argument("--input", required=True, help="text file, one sentence per line (.txt, .xz, .gz)")
+    p.add_argument("--input", required=True,
+                   help="text file, one sentence per line (.txt, .xz, .gz), or a .tsv file read by column")
+    p.add_argument("--column", default=None, metavar="NAME",
+                   help="tab-separated input: the text column, a header name or a 0-based number (no header); "
+                        "default: GLUE's first text column for a .tsv file")
     p.add_argument("--k", type=int, required=True, help="number of clusters")
     p.add_argument("--out", default=None, help="write {clusters: [[line, ...], ...], labels: [...]} to this JSON file")
     p.add_argument("--n-init", type=int, default=10)
@@ -29,7 +33,7 @@ def run(args) -> int:
     from fastbert.tasks.clustering import kmeans
     from fastbert.tasks.loading import load_encoder, read_inputs
 
-    texts, _ = read_inputs(args.input, pair_separator="\0")  # every line is one sentence
+    texts, _ = read_inputs(args.input, pair_separator="\0", column=args.column)  # every line is one sentence
     if not 1 <= args.k <= len(texts):
         raise UsageError(f"--k {args.k} must be between 1 and the number of lines ({len(texts)})")
     if args.n_init < 1:

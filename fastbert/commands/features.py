@@ -9,11 +9,19 @@ from pathlib import Path
 def add_parser(sub):
     p = sub.add_parser("features", help="extract hidden-state features (any layer, sum/concat of the last 4)",
                        description="Feature-based BERT: hidden states of the chosen layer(s) for every line of "
-                                   "--input, saved as one .npy array. A line 'a ||| b' is encoded as a sentence pair. "
+                                   "--input, saved as one .npy array. A line 'a ||| b' is encoded as a sentence pair; "
+                                   "a .tsv file (GLUE's layout recognised, or --column) is read by column, never "
+                                   "embedding its header, ids or labels. "
                                    "--pool none gives (lines, tokens, dim) zero-padded, with the tokens of each line "
                                    "in OUT.tokens.json; mean / cls give (lines, dim).")
     p.add_argument("--model", required=True, help="HF BERT checkpoint directory (config.json, weights, vocab.txt)")
-    p.add_argument("--input", required=True, help="text file, one input per line (.txt, .xz, .gz)")
+    p.add_argument("--input", required=True,
+                   help="text file, one input per line (.txt, .xz, .gz), or a .tsv file read by column")
+    p.add_argument("--column", default=None, metavar="NAME",
+                   help="tab-separated input: the text column, a header name or a 0-based number (no header); "
+                        "default: GLUE's text column(s) for a .tsv file")
+    p.add_argument("--pair-column", default=None, metavar="NAME",
+                   help="with --column: the second text of a sentence pair")
     p.add_argument("--layers", default="last",
                    help="last | second-to-last | sum-last-4 | concat-last-4 | N (0 = embeddings, 1..L, "
                         "negative from the end); default last")
@@ -39,7 +47,7 @@ def run(args) -> int:
         raise UsageError(f"--out {out} must end in .npy")
     if args.max_seq_len < 2 or args.batch_size < 1:
         raise UsageError("--max-seq-len must be >= 2 and --batch-size >= 1")
-    texts, pairs = read_inputs(args.input)
+    texts, pairs = read_inputs(args.input, column=args.column, pair_column=args.pair_column)
     model, tokenizer, _ = load_encoder(args.model, args.kernels, args.device)
     try:
         parse_layers(args.layers, model.config.num_hidden_layers)

@@ -146,6 +146,25 @@ def read_examples(task: GlueTask, path: Path, max_samples: int | None = None) ->
     return examples
 
 
+def text_columns(first_row: list[str]) -> tuple[int, Optional[int], bool] | None:
+    """Where a GLUE TSV file (any split, test.tsv included) keeps its text, told from its first row:
+    ``(text column, pair column or None, has a header row)``, or None when the row fits no GLUE
+    layout. Header files are matched by column names (a task whose two text columns are both
+    present wins over a one-sentence task); CoLA's header-less train/dev files by their shape
+    (4 columns, a 0/1 label in the second)."""
+    best: list[str] = []
+    for task in TASKS.values():
+        names = [c for c in (task.text_a, task.text_b) if c is not None]
+        if task.header and all(n in first_row for n in names) and len(names) > len(best):
+            best = names
+    if best:
+        return first_row.index(best[0]), first_row.index(best[1]) if len(best) > 1 else None, True
+    cola = TASKS["cola"]
+    if len(first_row) == 4 and first_row[cola.label] in cola.labels:
+        return cola.text_a, None, False
+    return None
+
+
 def _parse_label(task, raw: str, label_index, path, lineno):
     raw = raw.strip()
     if task.is_regression:

@@ -13,8 +13,8 @@ from typing import Optional
 
 import torch
 
-from fastbert.tasks.trainer import (TrainArgs, epoch_batches, lr_multiplier, param_groups, set_group_lrs,
-                                    total_steps)
+from fastbert.tasks.trainer import (ADAM_BETAS, ADAM_EPS, TrainArgs, epoch_batches, lr_multiplier, param_groups,
+                                    set_group_lrs, total_steps)
 
 
 def load_hf_model(task, model_dir, seed: int, attn_implementation: str = "sdpa", **config_overrides):
@@ -51,7 +51,7 @@ def hf_finetune(task, hf_model, args: TrainArgs, device: Optional[torch.device] 
     groups = param_groups(model, args.lr, args.head_lr, args.weight_decay, args.freeze_encoder)
     opt_groups = [{k: v for k, v in g.items() if k != "name"} for g in groups]
     fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    optimizer = torch.optim.AdamW(opt_groups, lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
+    optimizer = torch.optim.AdamW(opt_groups, lr=args.lr, betas=ADAM_BETAS, eps=ADAM_EPS,
                                   weight_decay=args.weight_decay, **fused)
     params = [p for g in groups for p in g["params"]]
     n = len(task.train_features)

@@ -38,27 +38,87 @@ def load_encoder(model_dir, kernels: Optional[str] = None, device: Optional[str]
     return model, load_tokenizer(model_dir), dev
 
 
-def read_inputs(path, pair_separator: str = " ||| ") -> tuple[list[str], list[Optional[str]]]:
-    """Non-empty lines of a text file; a line ``a ||| b`` is the sentence pair (a, b), as in Google's
-    extract_features.py."""
+def read_inputs(path, pair_separator: str = " ||| ", column: Optional[str] = None,
+                pair_column: Optional[str] = None) -> tuple[list[str], list[Optional[str]]]:
+    """Texts (and pair texts) of an input file.
+
+    Plain text: every non-empty line is one input; a line ``a ||| b`` is the sentence pair (a, b),
+    as in Google's extract_features.py. A ``.tsv`` file (also ``.tsv.xz`` / ``.tsv.gz``), or any
+    file when ``column`` is given, is read by column (tab-separated, no quoting, as GLUE's files):
+    ``column`` / ``pair_column`` name header columns (the first row is the header), or are 0-based
+    numbers (every row is data). Without ``column`` the GLUE layout is recognised
+    (``fastbert.data.glue.text_columns``: SST-2's ``sentence``, MRPC's ``#1 String`` / ``#2 String``,
+    CoLA's header-less 4th column, ...); labels and ids are never read as text."""
     from fastbert.cli import UsageError
     from fastbert.textio import READ_ERRORS, open_text, unreadable
 
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"input file not found: {path} (one text per line; 'a ||| b' for a pair)")
-    texts, pairs = [], []
+    if pair_column is not None and column is None:
+        raise UsageError("--pair-column needs --column (the column of the first text)")
     try:
         with open_text(path) as f:
-            for line in f:
-                line = line.rstrip("\n")
-                if not line.strip():
-                    continue
-                a, sep, b = line.partition(pair_separator)
-                texts.append(a.strip())
-                pairs.append(b.strip() if sep else None)
+            lines = [line.rstrip("\r\n") for line in f]
     except READ_ERRORS as e:
         raise UsageError(str(unreadable(path, e))) from None
+    if lines:
+        lines[0] = lines[0].removeprefix("\ufeff")  # MRPC's files start with a byte-order mark
+    if column is not None or ".tsv" in path.suffixes:
+        rows = {lineno: line.split("\t") for lineno, line in enumerate(lines, start=1) if line.strip()}
+        texts, pairs = _columns(path, rows, column, pair_column)
+    else:
+        texts, pairs = [], []
+        for line in lines:
+            if not line.strip():
+                continue
+            a, sep, b = line.partition(pair_separator)
+            texts.append(a.strip())
+            pairs.append(b.strip() if sep else None)
     if not texts:
         raise UsageError(f"{path} has no text lines")
     return texts, pairs
+
+
+def _columns(path: Path, rows: dict[int, list[str]], column, pair_column) -> tuple[list[str], list[Optional[str]]]:
+    """The text (and pair) column of tab-separated ``rows`` ({line number: fields}); see read_inputs."""
+    from fastbert.cli import UsageError
+    from fastbert.data.glue import text_columns
+
+    if not rows:
+        return [], []
+    first = next(iter(rows.values()))
+    if column is None:
+        found = text_columns(first)
+        if found is None:
+            if all(len(r) == 1 for r in rows.values()):  # one column: plain lines
+                return [r[0].strip() for r in rows.values()], [None] * len(rows)
+            raise UsageError(f"{path}: cannot tell which tab-separated column holds the text (first row: "
+                             f"{first[:6]}); pass --column NAME (a header name, or a 0-based number for a "
+                             f"file without a header) and --pair-column NAME for sentence pairs")
+        a, b, header = found
+    else:
+        header = not str(column).isdigit()
+        if pair_column is not None and str(pair_column).isdigit() == header:
+            raise UsageError("--column and --pair-column must both be header names or both 0-based numbers")
+        names = first if header else []
+        a, b = (None if c is None else _column_index(path, names, c) for c in (column, pair_column))
+    body = list(rows.items())[1:] if header else rows.items()
+    need = max(a, b if b is not None else -1) + 1
+    texts, pairs = [], []
+    for lineno, row in body:
+        if len(row) < need:
+            raise UsageError(f"{path}:{lineno}: expected at least {need} tab-separated columns, got {len(row)}")
+        texts.append(row[a].strip())
+        pairs.append(row[b].strip() if b is not None else None)
+    return texts, pairs
+
+
+def _column_index(path: Path, header: list[str], name: str) -> int:
+    from fastbert.cli import UsageError
+
+    if str(name).isdigit():
+        return int(name)
+    if name not in header:
+        raise UsageError(f"{path}: the header row has no column {name!r} (columns: {', '.join(header)})")
+    return header.index(name)

@@ -22,8 +22,6 @@ from typing import Callable, Optional, Sequence
 import torch
 from tqdm import tqdm
 
-from fastbert.training.schedules import warmup_linear_decay
-
 
 @dataclass
 class TrainArgs:
@@ -44,6 +42,9 @@ class TrainArgs:
 
 
 NO_DECAY = ("bias", "LayerNorm.weight", "LayerNorm.bias", "layer_norm")
+# AdamW as HF TrainingArguments' defaults (adam_beta1, adam_beta2, adam_epsilon).
+ADAM_BETAS = (0.9, 0.999)
+ADAM_EPS = 1e-8
 
 
 def param_groups(model: torch.nn.Module, lr: float, head_lr: Optional[float], weight_decay: float,
@@ -71,11 +72,20 @@ def param_groups(model: torch.nn.Module, lr: float, head_lr: Optional[float], we
     return groups
 
 
+def warmup_steps(total_steps: int, warmup: float) -> int:
+    """Warmup length in optimizer steps: a fraction (< 1) of ``total_steps`` rounded up, or a step
+    count (>= 1), as HF ``TrainingArguments.get_warmup_steps``."""
+    return int(warmup) if warmup >= 1 else math.ceil(total_steps * warmup)
+
+
 def lr_multiplier(step: int, total_steps: int, warmup: float) -> float:
-    """Linear warmup then linear decay to 0, evaluated at the step's midpoint (fastbert.training's
-    StepSchedule convention, so neither the first nor the last step has a learning rate of 0)."""
-    frac = warmup / total_steps if warmup >= 1 else warmup
-    return warmup_linear_decay((step + 0.5) / total_steps, frac)
+    """HF's ``get_linear_schedule_with_warmup`` (what Trainer and run_glue use) at 0-based optimizer
+    step ``step``: ``step / W`` during the ``W`` warmup steps (so the first step has a learning rate
+    of 0 when there is warmup), then linear decay to 0 at ``total_steps``."""
+    w = warmup_steps(total_steps, warmup)
+    if step < w:
+        return step / max(1, w)
+    return max(0.0, (total_steps - step) / max(1, total_steps - w))
 
 
 def set_group_lrs(optimizer, multiplier: float) -> None:
@@ -142,7 +152,7 @@ def build_finetune_engine(model: torch.nn.Module, groups: list[dict], args: Trai
 
     dist = init_distributed()
     model = model.to(dist.device)
-    spec = OptimizerSpec(type="adamw", lr=args.lr, eps=1e-8, weight_decay=args.weight_decay)
+    spec = OptimizerSpec(type="adamw", lr=args.lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=args.weight_decay)
     precision = resolve_precision(args.precision, dist.device)
     opt_groups = [{k: v for k, v in g.items() if k != "name"} for g in groups]
     fused = dist.device.type == "cuda"

@@ -45,6 +45,14 @@ def cleanup_token(token: str) -> str:
     return token
 
 
+def default_truncation(truncation, max_length: int | None, padding):
+    """HF's ``truncation=None``: truncate (longest first) only when ``max_length`` is given and
+    ``padding`` is off; with padding on, ``max_length`` is then a padding length only."""
+    if truncation is None:
+        return max_length is not None and (padding is False or padding is None)
+    return truncation
+
+
 def to_id_list(ids) -> list:
     """``ids`` (a list, NumPy array or torch tensor; a bare int becomes [int]) as a Python list."""
     if hasattr(ids, "tolist"):  # numpy array / torch tensor
@@ -161,6 +169,23 @@ class TokenizerBase:
         """Ids of the special tokens present in the vocabulary."""
         return [self.vocab[t] for t in self.all_special_tokens if t in self.vocab]
 
+    def get_special_tokens_mask(self, token_ids_0, token_ids_1=None, already_has_special_tokens: bool = False
+                                ) -> list[int]:
+        """HF's ``get_special_tokens_mask``. Ids without special tokens (``already_has_special_tokens=False``):
+        the mask of the row that adding [CLS]/[SEP] would build, ``[1] + [0] * len(a) + [1]``
+        (``+ [0] * len(b) + [1]`` for a pair). Ids that already hold them: 1 where an id is a special
+        token's ([CLS], [SEP], [PAD], [MASK], [UNK]), as HF's data collators compute it."""
+        if already_has_special_tokens:
+            if token_ids_1 is not None:
+                raise ValueError("token_ids_1 must be None when already_has_special_tokens=True: the ids "
+                                 "already form one row with its special tokens")
+            special = set(self.all_special_ids)
+            return [int(i in special) for i in to_id_list(token_ids_0)]
+        mask = [1] + [0] * len(to_id_list(token_ids_0)) + [1]
+        if token_ids_1 is not None:
+            mask += [0] * len(to_id_list(token_ids_1)) + [1]
+        return mask
+
     def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | list[int]:
         """Id of each token; tokens not in the vocabulary give the [UNK] id."""
         unk = self.unk_token_id
@@ -181,6 +206,28 @@ class TokenizerBase:
                              f"({self.vocab_path}); were the ids made with another vocabulary?")
         return i
 
+    # -- call options --------------------------------------------------------------------------------
+
+    def _resolve_max_length(self, max_length: int | None, truncating: bool, padding,
+                            pad_to_multiple_of: int | None) -> int | None:
+        """The row length limit of one call, as HF resolves it: ``model_max_length`` when ``max_length``
+        is None and the call truncates or pads to ``"max_length"``. Raises HF's errors: padding to
+        ``"max_length"`` with no length, a negative length, and truncating and padding to a length that
+        is not a multiple of ``pad_to_multiple_of`` (the padded rows would be longer than the limit)."""
+        if max_length is None and (truncating or padding == "max_length"):
+            max_length = self.model_max_length
+        if padding == "max_length" and max_length is None:
+            raise ValueError("padding='max_length' needs max_length (or a tokenizer with model_max_length)")
+        if max_length is not None and max_length < 0:
+            raise ValueError(f"max_length must be >= 0, got {max_length}")
+        if pad_to_multiple_of is not None and int(pad_to_multiple_of) < 1:
+            raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
+        pads = padding not in (False, None, "do_not_pad")
+        if truncating and pads and pad_to_multiple_of and max_length is not None and max_length % pad_to_multiple_of:
+            raise ValueError(f"Truncation and padding are both activated but truncation length ({max_length}) is not "
+                             f"a multiple of pad_to_multiple_of ({pad_to_multiple_of}).")
+        return max_length
+
     # -- decoding ----------------------------------------------------------------------------------
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
@@ -198,4 +245,4 @@ class TokenizerBase:
         return [self.decode(ids, skip_special_tokens) for ids in self._id_list(sequences)]
 
 
-__all__ = ["TokenizerBase", "SPECIAL_TOKEN_NAMES", "load_vocab", "cleanup_token", "to_id_list"]
+__all__ = ["TokenizerBase", "SPECIAL_TOKEN_NAMES", "load_vocab", "cleanup_token", "default_truncation", "to_id_list"]

@@ -29,7 +29,7 @@ import unicodedata
 from pathlib import Path
 
 # SPECIAL_TOKEN_NAMES and load_vocab are re-exported: other modules import them from here.
-from fastbert.tokenization.base import SPECIAL_TOKEN_NAMES, TokenizerBase, load_vocab, to_id_list
+from fastbert.tokenization.base import SPECIAL_TOKEN_NAMES, TokenizerBase, default_truncation, load_vocab
 
 _TRUNCATION_STRATEGIES = ("longest_first", "only_first", "only_second")
 
@@ -172,11 +172,6 @@ class ReferenceTokenizer(TokenizerBase):
             return token_or_id in self.all_special_tokens
         return int(token_or_id) in self.all_special_ids
 
-    def get_special_tokens_mask(self, ids) -> list[int]:
-        """1 where ``ids`` holds a special token ([CLS], [SEP], [PAD], [MASK], [UNK]), else 0."""
-        special = set(self.all_special_ids)
-        return [int(i in special) for i in to_id_list(ids)]
-
     def __repr__(self) -> str:
         return (f"ReferenceTokenizer({str(self.vocab_path)!r}, vocab_size={self.vocab_size}, lowercase={self.lowercase}, "
                 f"strip_accents={self.strip_accents}, tokenize_chinese_chars={self.tokenize_chinese_chars})")
@@ -242,26 +237,30 @@ class ReferenceTokenizer(TokenizerBase):
 
     def encode(self, text: str, text_pair: str | None = None, add_special_tokens: bool = True,
                max_length: int | None = None, truncation: bool | str = True, padding: bool | str = False,
-               return_offsets: bool = False, pad_to_multiple_of: int | None = None) -> dict:
+               return_offsets: bool = False, pad_to_multiple_of: int | None = None,
+               return_special_tokens_mask: bool = False) -> dict:
         """Encode one text (or pair) as ``[CLS] a [SEP] (b [SEP])``.
 
-        Returns a dict of lists: ``input_ids``, ``token_type_ids``, ``attention_mask`` and, with
+        Returns a dict of lists: ``input_ids``, ``token_type_ids``, ``attention_mask``; with
         ``return_offsets``, ``offsets``: (start, end) character positions in the original text of
-        each token, (0, 0) for [CLS]/[SEP]/padding.
+        each token, (0, 0) for [CLS]/[SEP]/padding; with ``return_special_tokens_mask``,
+        ``special_tokens_mask``: 1 at the [CLS]/[SEP]/padding that encoding added (HF's: a [MASK]
+        or [UNK] from the text is 0).
 
         truncation: True / "longest_first" (HF's: trim the longer of a pair), "only_first",
             "only_second", or False. With ``max_length=None`` it truncates to ``model_max_length``.
         padding: False, "longest" / True (no-op for one text), or "max_length".
         """
         strategy = _truncation_strategy(truncation)
-        max_length = self._resolve_max_length(max_length, strategy, padding)
+        max_length = self._resolve_max_length(max_length, strategy is not None, padding, pad_to_multiple_of)
         enc = self._encode_one(text, text_pair, add_special_tokens, max_length, strategy)
         target = _padded_length(len(enc["input_ids"]), padding, max_length, pad_to_multiple_of)
-        return self._finish(enc, target, return_offsets)
+        return self._finish(enc, target, return_offsets, return_special_tokens_mask)
 
     def encode_batch(self, texts: list[str], text_pairs: list[str] | None = None, add_special_tokens: bool = True,
                      max_length: int | None = None, truncation: bool | str = True, padding: bool | str = False,
-                     return_offsets: bool = False, pad_to_multiple_of: int | None = None) -> dict:
+                     return_offsets: bool = False, pad_to_multiple_of: int | None = None,
+                     return_special_tokens_mask: bool = False) -> dict:
         """Encode a list of texts (or pairs). Returns a dict of lists of lists, as ``encode``;
         ``padding="longest"`` pads every row to the longest row of the batch."""
         if isinstance(texts, str):
@@ -272,23 +271,15 @@ class ReferenceTokenizer(TokenizerBase):
             if len(text_pairs) != len(texts):
                 raise ValueError(f"texts and text_pairs differ in length ({len(texts)} != {len(text_pairs)})")
         strategy = _truncation_strategy(truncation)
-        max_length = self._resolve_max_length(max_length, strategy, padding)
+        max_length = self._resolve_max_length(max_length, strategy is not None, padding, pad_to_multiple_of)
         encs = [self._encode_one(t, None if text_pairs is None else text_pairs[i], add_special_tokens,
                                  max_length, strategy) for i, t in enumerate(texts)]
         longest = max((len(e["input_ids"]) for e in encs), default=0)
         target = _padded_length(longest, padding, max_length, pad_to_multiple_of)
-        rows = [self._finish(e, target, return_offsets) for e in encs]
-        keys = ["input_ids", "token_type_ids", "attention_mask"] + (["offsets"] if return_offsets else [])
+        rows = [self._finish(e, target, return_offsets, return_special_tokens_mask) for e in encs]
+        keys = (["input_ids", "token_type_ids", "attention_mask"] + (["offsets"] if return_offsets else [])
+                + (["special_tokens_mask"] if return_special_tokens_mask else []))
         return {k: [r[k] for r in rows] for k in keys}
-
-    def _resolve_max_length(self, max_length, strategy, padding) -> int | None:
-        if max_length is None and (strategy is not None or padding == "max_length"):
-            max_length = self.model_max_length
-        if padding == "max_length" and max_length is None:
-            raise ValueError("padding='max_length' needs max_length (or a tokenizer with model_max_length)")
-        if max_length is not None and max_length < 0:
-            raise ValueError(f"max_length must be >= 0, got {max_length}")
-        return max_length
 
     def _encode_one(self, text, text_pair, add_special_tokens, max_length, strategy) -> dict:
         a, a_off = self._encode_text(text)
@@ -307,18 +298,22 @@ class ReferenceTokenizer(TokenizerBase):
             cls, sep = self.cls_token_id, self.sep_token_id
             ids = [cls] + a + [sep]
             offsets = [(0, 0)] + a_off + [(0, 0)]
+            special = [1] + [0] * len(a) + [1]
             if b is not None:
                 ids += b + [sep]
                 offsets += b_off + [(0, 0)]
+                special += [0] * len(b) + [1]
             n_first = len(a) + 2
         else:
             ids, offsets = a + (b or []), a_off + (b_off or [])
+            special = [0] * len(ids)
             n_first = len(a)
         types = [0] * n_first + [1] * (len(ids) - n_first)
-        return {"input_ids": ids, "token_type_ids": types, "offsets": offsets}
+        return {"input_ids": ids, "token_type_ids": types, "offsets": offsets, "special_tokens_mask": special}
 
-    def _finish(self, enc: dict, target: int, return_offsets: bool) -> dict:
-        ids, types, offsets = enc["input_ids"], enc["token_type_ids"], enc["offsets"]
+    def _finish(self, enc: dict, target: int, return_offsets: bool, return_special_tokens_mask: bool = False) -> dict:
+        ids, types, offsets, special = (enc[k] for k in ("input_ids", "token_type_ids", "offsets",
+                                                         "special_tokens_mask"))
         mask = [1] * len(ids)
         pad = target - len(ids)
         if pad > 0:
@@ -326,9 +321,12 @@ class ReferenceTokenizer(TokenizerBase):
             types = types + [0] * pad
             mask = mask + [0] * pad
             offsets = offsets + [(0, 0)] * pad
+            special = special + [1] * pad
         out = {"input_ids": ids, "token_type_ids": types, "attention_mask": mask}
         if return_offsets:
             out["offsets"] = offsets
+        if return_special_tokens_mask:
+            out["special_tokens_mask"] = special
         return out
 
     def __call__(self, text, text_pair=None, add_special_tokens: bool = True, padding: bool | str = False,
@@ -337,10 +335,10 @@ class ReferenceTokenizer(TokenizerBase):
                  return_token_type_ids: bool = True, return_attention_mask: bool = True,
                  return_offsets_mapping: bool = False, return_special_tokens_mask: bool = False) -> dict:
         """Like HF ``tokenizer(text, text_pair, ...)``: a str gives lists, a list of str gives lists of
-        lists. ``truncation=None`` truncates only when ``max_length`` is given (HF's default);
-        offsets are returned as ``offset_mapping``; ``return_tensors`` may be "np" or "pt"."""
-        if truncation is None:
-            truncation = max_length is not None
+        lists. ``truncation=None`` truncates only when ``max_length`` is given and padding is off
+        (HF's default); offsets are returned as ``offset_mapping``; ``return_tensors`` may be "np" or
+        "pt"; ``special_tokens_mask`` marks the [CLS]/[SEP]/padding this call added."""
+        truncation = default_truncation(truncation, max_length, padding)
         if padding == "do_not_pad":
             padding = False
         batched = not isinstance(text, str)
@@ -348,18 +346,13 @@ class ReferenceTokenizer(TokenizerBase):
             if text_pair is not None and isinstance(text_pair, str):
                 raise TypeError("text is a list but text_pair is a str; pass a list of pairs")
             enc = self.encode_batch(text, text_pair, add_special_tokens, max_length, truncation, padding,
-                                    True, pad_to_multiple_of)
+                                    True, pad_to_multiple_of, return_special_tokens_mask)
         else:
             enc = self.encode(text, text_pair, add_special_tokens, max_length, truncation, padding,
-                              True, pad_to_multiple_of)
+                              True, pad_to_multiple_of, return_special_tokens_mask)
         offsets = enc.pop("offsets")
         if return_offsets_mapping:
             enc["offset_mapping"] = offsets
-        if return_special_tokens_mask:
-            special = set(self.all_special_ids)
-            rows = enc["input_ids"] if batched else [enc["input_ids"]]
-            masks = [[int(i in special) for i in row] for row in rows]
-            enc["special_tokens_mask"] = masks if batched else masks[0]
         if not return_token_type_ids:
             del enc["token_type_ids"]
         if not return_attention_mask:

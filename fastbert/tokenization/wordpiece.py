@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastbert.tokenization.base import TokenizerBase
+from fastbert.tokenization.base import TokenizerBase, default_truncation
 
 _TRUNCATION = {True: "longest_first", False: "none", None: "none", "do_not_truncate": "none",
                "longest_first": "longest_first", "only_first": "only_first", "only_second": "only_second"}
@@ -131,12 +131,10 @@ class WordPieceTokenizer(TokenizerBase):
         strategy = _truncation_strategy(truncation)
         if strategy == "only_second" and text_pairs is None:
             raise ValueError("truncation='only_second' needs text_pairs")
-        max_length = self._resolve_max_length(max_length, strategy, padding)
+        max_length = self._resolve_max_length(max_length, strategy != "none", padding, pad_to_multiple_of)
         padding = _padding_mode(padding)
         if num_threads is not None and int(num_threads) < 1:
             raise ValueError(f"num_threads must be >= 1 (or None for all cores), got {num_threads}")
-        if pad_to_multiple_of is not None and int(pad_to_multiple_of) < 1:
-            raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
         cls_id = sep_id = -1
         if add_special_tokens:
             cls_id, sep_id = self.cls_token_id, self.sep_token_id
@@ -147,7 +145,14 @@ class WordPieceTokenizer(TokenizerBase):
         if device is not None and _is_cuda(device):
             enc = self._cuda_path().encode_batch(texts, text_pairs, device=device, **args)
             return _as_tensors(enc, return_tensors) if return_tensors is not None else enc
-        enc = self._core.encode_batch(texts, text_pairs, num_threads=int(num_threads or 0), **args)
+        if padding == "max_length" and strategy == "none" and max_length is not None:
+            # HF keeps rows longer than max_length whole when truncation is off: pad the others.
+            flat = self._core.encode_batch(texts, text_pairs, num_threads=int(num_threads or 0),
+                                           **{**args, "padding": "none"})
+            multiple = int(pad_to_multiple_of or 1)
+            enc = _pad_flat(flat, -(-max_length // multiple) * multiple, args["pad_id"])
+        else:
+            enc = self._core.encode_batch(texts, text_pairs, num_threads=int(num_threads or 0), **args)
         if padding == "none":
             splits = enc.pop("row_splits")
             enc["attention_mask"] = np.ones(len(enc["input_ids"]), dtype=np.int64)
@@ -178,15 +183,6 @@ class WordPieceTokenizer(TokenizerBase):
             self._cuda = CudaWordPiece(self)
         return self._cuda
 
-    def _resolve_max_length(self, max_length, strategy, padding) -> int | None:
-        if max_length is None and (strategy != "none" or padding == "max_length"):
-            max_length = self.model_max_length
-        if padding == "max_length" and max_length is None:
-            raise ValueError("padding='max_length' needs max_length (or a tokenizer with model_max_length)")
-        if max_length is not None and max_length < 0:
-            raise ValueError(f"max_length must be >= 0, got {max_length}")
-        return max_length
-
     def __call__(self, text, text_pair=None, add_special_tokens: bool = True, padding: bool | str = False,
                  truncation: bool | str | None = None, max_length: int | None = None,
                  pad_to_multiple_of: int | None = None, return_tensors: str | None = None,
@@ -195,9 +191,10 @@ class WordPieceTokenizer(TokenizerBase):
                  num_threads: int | None = None, device=None) -> dict:
         """Like HF ``tokenizer(text, text_pair, ...)``: a str gives lists, a list of str gives lists of
         lists (or, with ``return_tensors="np"/"pt"``, arrays / tensors). ``truncation=None``
-        truncates only when ``max_length`` is given (HF's default); offsets come as ``offset_mapping``."""
-        if truncation is None:
-            truncation = max_length is not None
+        truncates only when ``max_length`` is given and padding is off (HF's default); offsets come as
+        ``offset_mapping``; ``special_tokens_mask`` marks the [CLS] / [SEP] / padding this call added
+        (a [MASK] or [UNK] from the text is 0, as HF)."""
+        truncation = default_truncation(truncation, max_length, padding)
         batched = not isinstance(text, str)
         if batched:
             if text_pair is not None and isinstance(text_pair, str):
@@ -210,15 +207,12 @@ class WordPieceTokenizer(TokenizerBase):
         if return_offsets_mapping:
             enc["offset_mapping"] = enc.pop("offsets")
         if return_special_tokens_mask:
-            special = np.asarray(sorted(self.all_special_ids), dtype=np.int64)
-            if isinstance(enc["input_ids"], list):
-                enc["special_tokens_mask"] = [np.isin(row, special).astype(np.int64) for row in enc["input_ids"]]
-            elif hasattr(enc["input_ids"], "cpu"):  # CUDA tensors
-                import torch
-                enc["special_tokens_mask"] = torch.isin(enc["input_ids"], torch.as_tensor(
-                    special, device=enc["input_ids"].device)).long()
+            mask, types, is_pair = enc["attention_mask"], enc["token_type_ids"], pairs is not None
+            if isinstance(mask, list):  # one 1-D row each (no padding, or rows longer than max_length)
+                enc["special_tokens_mask"] = [added_special_mask(m[None], t[None], add_special_tokens, is_pair)[0]
+                                              for m, t in zip(mask, types)]
             else:
-                enc["special_tokens_mask"] = np.isin(enc["input_ids"], special).astype(np.int64)
+                enc["special_tokens_mask"] = added_special_mask(mask, types, add_special_tokens, is_pair)
         if not return_token_type_ids:
             del enc["token_type_ids"]
         if not return_attention_mask:
@@ -234,6 +228,47 @@ class WordPieceTokenizer(TokenizerBase):
 # ------------------------------------------------------------------------------------------------
 # Helpers
 # ------------------------------------------------------------------------------------------------
+
+def added_special_mask(attention_mask, token_type_ids, add_special_tokens: bool, is_pair: bool):
+    """HF's ``special_tokens_mask`` of right-padded rows ``(rows, width)`` (NumPy arrays or torch
+    tensors): 1 at padding and, with ``add_special_tokens``, at the [CLS] and [SEP] that encoding
+    added ([CLS] first, [SEP] last, and for a pair the [SEP] ending the first segment, the last
+    token of type 0). A [MASK] or [UNK] that came from the text is 0."""
+    real = attention_mask != 0
+    special = ~real
+    if add_special_tokens:
+        pos = real.cumsum(-1)                    # 1-based position of each real token
+        n_real = real.sum(-1)[..., None]
+        special = special | (real & ((pos == 1) | (pos == n_real)))
+        if is_pair:
+            n_first = (real & (token_type_ids == 0)).sum(-1)[..., None]
+            special = special | (real & (pos == n_first))
+    return special * 1                           # int64, NumPy or torch
+
+
+def _pad_flat(flat: dict, width: int, pad_id: int) -> dict:
+    """A ``padding="none"`` encoding (ids back to back, ``row_splits``) with every row padded to
+    ``width``: ``(rows, width)`` arrays, or, when a row is longer (HF's ``padding="max_length"``
+    without truncation keeps it whole), a list of one 1-D array per row."""
+    splits = flat.pop("row_splits")
+    lengths = np.diff(splits)
+    flat["attention_mask"] = np.ones(len(flat["input_ids"]), dtype=np.int64)
+    fill = {"input_ids": pad_id, "token_type_ids": 0, "attention_mask": 0, "offsets": 0}
+    if lengths.max(initial=0) <= width:
+        rows = np.repeat(np.arange(len(lengths)), lengths)
+        cols = np.arange(splits[-1]) - np.repeat(splits[:-1], lengths)
+        out = {}
+        for key, value in flat.items():
+            out[key] = np.full((len(lengths), width) + value.shape[1:], fill[key], dtype=np.int64)
+            out[key][rows, cols] = value
+        return out
+    out = {key: [] for key in flat}
+    for start, end in zip(splits[:-1].tolist(), splits[1:].tolist()):
+        pad = max(0, width - (end - start))
+        for key, value in flat.items():
+            out[key].append(np.concatenate([value[start:end], np.full((pad,) + value.shape[1:], fill[key])]))
+    return out
+
 
 def _to_list(ids) -> list:
     if hasattr(ids, "tolist"):  # numpy array / torch tensor

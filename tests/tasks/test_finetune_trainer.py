@@ -1,5 +1,8 @@
 """The fine-tuning loop's pieces: parameter groups (encoder vs head LR, no decay on biases and
 LayerNorm, frozen encoder), the warmup/decay schedule and the deterministic, rank-sharded batches."""
+import dataclasses
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -42,10 +45,60 @@ def test_freeze_encoder_trains_only_the_head(model):
 
 def test_warmup_then_linear_decay():
     mult = [lr_multiplier(s, 100, 0.1) for s in range(100)]
-    assert mult[0] == pytest.approx(0.05) and mult[9] == pytest.approx(0.95)       # midpoint of each step
-    assert max(mult) == pytest.approx(mult[10]) and mult[10] == pytest.approx(1 - 0.5 / 90)
-    assert all(a > b for a, b in zip(mult[10:], mult[11:])) and 0 < mult[-1] < 0.01
+    assert mult[0] == 0.0 and mult[5] == pytest.approx(0.5) and mult[10] == 1.0    # 10 warmup steps
+    assert all(a > b for a, b in zip(mult[10:], mult[11:])) and mult[-1] == pytest.approx(1 / 90)
     assert lr_multiplier(4, 100, 10) == pytest.approx(lr_multiplier(4, 100, 0.1))    # warmup given in steps
+
+
+# ------------------------------------------------------------------ defaults vs HF Trainer / run_glue (item 9)
+@pytest.mark.parametrize("total, warmup", [(100, 0.1), (7, 0.1), (61, 0.06), (50, 5), (10, 0.0), (3, 0.5)])
+def test_schedule_is_hf_linear_schedule_with_warmup(total, warmup):
+    """fastbert finetune's LR at every step is HF's get_linear_schedule_with_warmup with HF's warmup
+    rounding (TrainingArguments.get_warmup_steps: ceil(total x fraction), or a step count)."""
+    transformers = pytest.importorskip("transformers")
+    # TrainingArguments cannot be built without accelerate: call its method on the one field it reads.
+    n_warmup = transformers.TrainingArguments.get_warmup_steps(SimpleNamespace(warmup_steps=warmup), total)
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    scheduler = transformers.get_linear_schedule_with_warmup(optimizer, n_warmup, total)
+    hf = []
+    for _ in range(total):
+        hf.append(optimizer.param_groups[0]["lr"])      # the LR this optimizer step uses
+        optimizer.step()
+        scheduler.step()
+    assert [lr_multiplier(s, total, warmup) for s in range(total)] == pytest.approx(hf, abs=1e-12)
+
+
+def test_decay_exclusions_match_hf_trainer(model):
+    """No weight decay on biases and LayerNorm weights, exactly the parameters HF Trainer exempts, on an
+    HF model (hf_reference / fastbert.patch) and on fastbert's own (fused QKV) model."""
+    transformers = pytest.importorskip("transformers")
+    hf_model = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=100, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32))
+    for m in (hf_model, model):
+        names = {id(p): n for n, p in m.named_parameters()}
+        decayed = {names[id(p)] for g in param_groups(m, 1e-5, None, 0.01, False) if g["weight_decay"] > 0
+                   for p in g["params"]}
+        assert decayed == set(transformers.Trainer.get_decay_parameter_names(None, m))
+
+
+def test_finetune_defaults_pinned():
+    """The defaults of `fastbert finetune` (CLI and TrainArgs agree): HF's AdamW betas / eps, clipping at
+    1.0 and head LR = LR; BERT's recipe (Devlin et al. 2019) where HF's TrainingArguments differ:
+    lr 2e-5 (HF 5e-5), batch 32 (HF 8), 10% warmup (HF 0), weight decay 0.01 (HF 0). README lists both."""
+    from fastbert.cli import build_parser
+    from fastbert.tasks.trainer import ADAM_BETAS, ADAM_EPS, TrainArgs
+    transformers = pytest.importorskip("transformers")
+    hf = SimpleNamespace(**{f.name: f.default for f in dataclasses.fields(transformers.TrainingArguments)})
+    assert ADAM_BETAS == (hf.adam_beta1, hf.adam_beta2) and ADAM_EPS == hf.adam_epsilon
+    ours = TrainArgs()
+    assert ours.max_grad_norm == hf.max_grad_norm == 1.0 and ours.head_lr is None
+    assert ours.epochs == hf.num_train_epochs == 3.0
+    assert (ours.lr, ours.batch_size, ours.warmup, ours.weight_decay) == (2e-5, 32, 0.1, 0.01)
+    cli = build_parser().parse_args(["finetune", "--task", "stsb", "--data", "d", "--model", "m"])
+    assert (cli.lr, cli.head_lr, cli.batch_size, cli.warmup, cli.weight_decay, cli.max_grad_norm, cli.epochs,
+            cli.seed) == (ours.lr, ours.head_lr, ours.batch_size, ours.warmup, ours.weight_decay,
+                          ours.max_grad_norm, ours.epochs, ours.seed)
 
 
 def test_batches_are_deterministic_and_sharded():
@@ -68,3 +121,30 @@ def test_pad_batch_pads_each_field():
     assert out["labels"].tolist() == [[5, -100, 6], [7, -100, -100]] and out["y"].tolist() == [1, 0]
     nested = pad_batch([{"input_ids": [[1, 2], [3]]}, {"input_ids": [[4], [5, 6, 7]]}], {})
     assert nested["input_ids"].shape == (2, 2, 3) and nested["input_ids"].dtype == torch.long
+
+
+def test_regression_head_as_hf_run_glue(minilm_dir):
+    """`fastbert finetune --task stsb` builds what HF run_glue builds for STS-B (num_labels=1): the
+    checkpoint's pooler, a new classifier drawn from N(0, initializer_range) with zero bias, classifier
+    dropout = hidden_dropout_prob, and the MSE loss of HF on float labels."""
+    transformers = pytest.importorskip("transformers")
+    from fastbert.tasks.glue import GlueFinetuneTask
+    kwargs = GlueFinetuneTask("stsb", data=".", tokenizer=None).model_kwargs()
+    assert kwargs["num_labels"] == 1 and kwargs["problem_type"] == "regression"
+    torch.manual_seed(0)
+    fb = BertForSequenceClassification.from_pretrained(minilm_dir, **kwargs).eval()
+    hf = transformers.BertForSequenceClassification.from_pretrained(str(minilm_dir), num_labels=1).eval()
+    assert hf.config.problem_type in (None, "regression")
+    assert torch.equal(fb.bert.pooler.dense.weight, hf.bert.pooler.dense.weight)   # from the checkpoint
+    for m in (fb, hf):
+        assert m.dropout.p == m.config.hidden_dropout_prob == 0.1
+        assert not m.classifier.bias.any()
+        assert abs(m.classifier.weight.std().item() - m.config.initializer_range) < 0.003
+        assert abs(m.classifier.weight.mean().item()) < 0.004
+    with torch.no_grad():
+        hf.classifier.load_state_dict(fb.classifier.state_dict())
+        ids = torch.tensor([[101, 7592, 2088, 102, 0], [101, 2023, 2003, 1037, 102]])
+        batch = dict(input_ids=ids, attention_mask=(ids > 0).long(), labels=torch.tensor([3.8, 0.4]))
+        ours, theirs = fb(**batch), hf(**batch)
+    torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.loss, theirs.loss, atol=1e-5, rtol=1e-5)

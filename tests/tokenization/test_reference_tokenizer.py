@@ -239,7 +239,7 @@ def test_decode_and_conversions(toy):
     assert toy.decode(ids, skip_special_tokens=False) == "[CLS] unaffable, hello. [SEP]"
     assert toy.convert_tokens_to_ids(["un", "nope"]) == [5, toy.unk_token_id]
     assert toy.convert_ids_to_tokens(5) == "un"
-    assert toy.get_special_tokens_mask(ids) == [1] + [0] * (len(ids) - 2) + [1]
+    assert toy.get_special_tokens_mask(ids, already_has_special_tokens=True) == [1] + [0] * (len(ids) - 2) + [1]
     assert toy.is_special("[MASK]") and toy.is_special(toy.mask_token_id) and not toy.is_special("un")
     assert (toy.pad_token_id, toy.unk_token_id, toy.cls_token_id, toy.sep_token_id, toy.mask_token_id) == (0, 1, 2, 3, 4)
     with pytest.raises(ValueError, match="out of range"):

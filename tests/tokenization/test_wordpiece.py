@@ -14,7 +14,7 @@ import pytest
 
 from fastbert.tokenization.reference import ReferenceTokenizer
 from fastbert.tokenization.wordpiece import WordPieceTokenizer
-from tokenizer_testing import CONFIG_IDS, CONFIGS, first_mismatch, load_hf, read_corpus, tokenizer_and_hf
+from tokenizer_testing import CONFIG_IDS, CONFIGS, first_mismatch, load_hf, read_corpus, tokenizer_and_hf, wiki_lines
 
 transformers = pytest.importorskip("transformers")
 BertTokenizerFast = transformers.BertTokenizerFast
@@ -404,8 +404,14 @@ def test_bad_input(tmp_path, uncased):
         uncased.encode_batch(["a"], ["b"], max_length=2)
     with pytest.raises(ValueError, match="needs max_length"):
         uncased.encode_batch(["a"], padding="max_length")
-    with pytest.raises(ValueError, match="more than max_length=3"):
-        uncased.encode_batch(["a b c d"], padding="max_length", max_length=3, truncation=False)
+    # padding="max_length" without truncation keeps longer rows whole, as HF: then one array per row
+    ragged = uncased.encode_batch(["a b c d", "a"], padding="max_length", max_length=4, truncation=False)
+    assert [row.tolist() for row in ragged["input_ids"]] == [[101, 1037, 1038, 1039, 1040, 102], [101, 1037, 102, 0]]
+    assert [row.tolist() for row in ragged["attention_mask"]] == [[1] * 6, [1, 1, 1, 0]]
+    even = uncased.encode_batch(["a b", "a"], padding="max_length", max_length=6, truncation=False,
+                                pad_to_multiple_of=4, return_offsets=True)
+    assert even["input_ids"].tolist() == [[101, 1037, 1038, 102, 0, 0, 0, 0], [101, 1037, 102, 0, 0, 0, 0, 0]]
+    assert even["offsets"].shape == (2, 8, 2) and even["offsets"][0, :4].tolist() == [[0, 0], [0, 1], [2, 3], [0, 0]]
     with pytest.raises(ValueError, match="unknown padding"):
         uncased.encode_batch(["a"], padding="sideways")
     with pytest.raises(ValueError, match="unknown truncation"):
@@ -425,7 +431,7 @@ GPU_CASES = [
     dict(padding=True),
     dict(padding=False),
     dict(padding="max_length", max_length=24, truncation=True),
-    dict(padding="longest", max_length=9, truncation="longest_first", pad_to_multiple_of=8),
+    dict(padding="longest", max_length=24, truncation="longest_first", pad_to_multiple_of=8),
     dict(padding=False, add_special_tokens=False, truncation=False),
 ]
 GPU_TRICKY = ["", " ", "a[SEP]b[CLS] [MASK]x [UNK]", "\u0300\U0001D16D z", "x\U0001D16D\u0301\U0001D165y",
@@ -439,8 +445,9 @@ def gpu_path_equals_cpu(tok, gpu, texts, pairs, device, **kwargs):
     args = dict(add_special_tokens=kwargs.get("add_special_tokens", True), return_offsets=True)
     from fastbert.tokenization.wordpiece import _padding_mode, _truncation_strategy
     strategy = _truncation_strategy(kwargs.get("truncation", True))
+    max_length = tok._resolve_max_length(kwargs.get("max_length"), strategy != "none", kwargs.get("padding", False),
+                                         kwargs.get("pad_to_multiple_of"))
     padding = _padding_mode(kwargs.get("padding", False))
-    max_length = tok._resolve_max_length(kwargs.get("max_length"), strategy, padding)
     got = gpu.encode_batch(texts, pairs, device, max_length=-1 if max_length is None else max_length,
                            truncation=strategy, padding=padding, pad_to_multiple_of=kwargs.get("pad_to_multiple_of") or 0,
                            cls_id=tok.cls_token_id, sep_id=tok.sep_token_id, pad_id=tok.pad_token_id, **args)
@@ -466,6 +473,24 @@ def test_gpu_pipeline_emulated_equals_cpu(index, data_dir, corpus):
     for i, kwargs in enumerate(GPU_CASES):
         gpu_path_equals_cpu(tok, gpu, texts, pairs if i % 2 else None, "cpu", **kwargs)
     gpu_path_equals_cpu(tok, gpu, [], None, "cpu", padding=True)
+
+
+def test_wiki_lines_feed_the_gpu_comparison(data_dir, tmp_path):
+    """test_wordpiece_gpu.py::test_cuda_equals_cpu takes 2 x 6000 + 7 lines from wiki_lines: more than
+    wiki_00.xz + wiki_01.xz hold, so the helper must read on, and fail loudly when it runs out."""
+    import lzma
+    lines = wiki_lines(data_dir, 12_007)
+    assert len(lines) == 12_007
+    assert all(line.strip() and not line.startswith(("<doc", "</doc")) for line in lines)
+    assert len(wiki_lines(data_dir, 10)) == 10 and wiki_lines(data_dir, 10) == lines[:10]
+    folder = tmp_path / "pretrain" / "enwiki_wikiextractor"
+    folder.mkdir(parents=True)
+    for i in range(2):
+        with lzma.open(folder / f"wiki_0{i}.xz", "wt", encoding="utf-8") as f:
+            f.write(f'<doc id="{i}">\nline {i}a\n\nline {i}b\n</doc>\n')
+    assert wiki_lines(tmp_path, 3) == ["line 0a", "line 0b", "line 1a"]
+    with pytest.raises(ValueError, match="holds 4 text lines, fewer than 5"):
+        wiki_lines(tmp_path, 5)
 
 
 def test_gpu_pipeline_emulated_errors(uncased):

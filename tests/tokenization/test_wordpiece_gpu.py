@@ -3,14 +3,13 @@ path, as CUDA tensors, for the BERT vocabularies, on real text and awkward input
 Without CUDA these tests are skipped; test_wordpiece.py runs the same kernels emulated on the CPU."""
 from __future__ import annotations
 
-import lzma
-
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from fastbert.tokenization.wordpiece import WordPieceTokenizer  # noqa: E402
+from tokenizer_testing import wiki_lines  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -20,18 +19,18 @@ CASES = [
     dict(padding=True),
     dict(padding=False),
     dict(padding="max_length", max_length=128, truncation=True),
-    dict(padding="longest", max_length=9, truncation=True, pad_to_multiple_of=8),
+    dict(padding="longest", max_length=24, truncation=True, pad_to_multiple_of=8),
     dict(padding=False, add_special_tokens=False, truncation=False),
 ]
 
 
+N_TEXTS = 6000  # real lines per side of test_cuda_equals_cpu, plus TRICKY as texts
+
+
 @pytest.fixture(scope="module")
 def lines(data_dir) -> list[str]:
-    out: list[str] = []
-    for name in ("wiki_00.xz", "wiki_01.xz"):
-        with lzma.open(data_dir / "pretrain" / "enwiki_wikiextractor" / name, "rt", encoding="utf-8") as f:
-            out += [line for line in f.read().split("\n") if line.strip() and not line.startswith(("<doc", "</doc"))]
-    return out
+    """Texts and as many pair texts for test_cuda_equals_cpu (more than wiki_00 + wiki_01 hold)."""
+    return wiki_lines(data_dir, 2 * N_TEXTS + len(TRICKY))
 
 
 def _same(cpu, gpu):
@@ -51,8 +50,9 @@ def _same(cpu, gpu):
                                             ("bert-base-multilingual-cased", False), ("bert-base-chinese", False)])
 def test_cuda_equals_cpu(data_dir, lines, name, lowercase):
     tok = WordPieceTokenizer(data_dir / "vocab" / name / "vocab.txt", lowercase=lowercase)
-    texts = lines[:6000] + TRICKY
-    pairs = lines[6000:6000 + len(texts)]
+    texts = lines[:N_TEXTS] + TRICKY
+    pairs = lines[N_TEXTS:N_TEXTS + len(texts)]
+    assert len(texts) == len(pairs) == N_TEXTS + len(TRICKY)
     for i, kwargs in enumerate(CASES):
         text_pairs = pairs if i % 2 else None
         cpu = tok.encode_batch(texts, text_pairs, return_offsets=True, **kwargs)

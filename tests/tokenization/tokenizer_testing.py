@@ -64,6 +64,20 @@ def read_corpus(data_dir, udhr_lines_per_file: int) -> tuple[list[str], int]:
     return lines, len(names)
 
 
+def wiki_lines(data_dir, count: int) -> list[str]:
+    """The first ``count`` text lines (non-empty, no WikiExtractor ``<doc>`` markers) of the English
+    Wikipedia sample, reading ``wiki_00.xz``, ``wiki_01.xz``, ... in order until there are enough.
+    Raises ValueError when the whole sample holds fewer, so a test never compares less than it says."""
+    files = sorted((data_dir / "pretrain" / "enwiki_wikiextractor").glob("wiki_*.xz"))
+    out: list[str] = []
+    for path in files:
+        with lzma.open(path, "rt", encoding="utf-8") as f:
+            out += [line for line in f.read().split("\n") if line.strip() and not line.startswith(("<doc", "</doc"))]
+        if len(out) >= count:
+            return out[:count]
+    raise ValueError(f"the Wikipedia sample ({len(files)} files) holds {len(out)} text lines, fewer than {count}")
+
+
 def first_mismatch(lines, ours, theirs):
     """A message naming the first line where ``ours`` and ``theirs`` differ, or None."""
     for i, (a, b) in enumerate(zip(ours, theirs)):
