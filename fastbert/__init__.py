@@ -11,6 +11,7 @@ from fastbert.model import BertModel
 from fastbert.heads import (
     BertForMaskedLM,
     BertForMultipleChoice,
+    BertForNextSentencePrediction,
     BertForPreTraining,
     BertForQuestionAnswering,
     BertForSequenceClassification,
@@ -26,6 +27,7 @@ __all__ = [
     "BertModel",
     "BertForPreTraining",
     "BertForMaskedLM",
+    "BertForNextSentencePrediction",
     "BertForSequenceClassification",
     "BertForTokenClassification",
     "BertForQuestionAnswering",

@@ -46,8 +46,14 @@ class BertConfig:
     layer_norm_eps: float = 1e-12
     initializer_range: float = 0.02
     pad_token_id: int = 0
+    # HF's field; only "absolute" is implemented (relative_key / relative_key_query are refused).
+    position_embedding_type: str = "absolute"
     prenorm: bool = False
     kernels: str = "torch"
+    # BertForPreTraining / BertForMaskedLM with labels: False (HF's outputs) also returns the dense
+    # (batch, seq, vocab) logits; True returns only the sparse MLM loss (never the full logits), the
+    # speed path `fastbert pretrain` sets. Runtime only: not written to config.json.
+    sparse_prediction: bool = False
     # Task heads (HF fields of the same name).
     num_labels: int = 2
     problem_type: str | None = None
@@ -82,6 +88,11 @@ class BertConfig:
             raise ConfigError(f"BertConfig.layer_norm_eps must be > 0, got {self.layer_norm_eps!r}")
         if not 0 <= self.pad_token_id < self.vocab_size:
             raise ConfigError(f"BertConfig.pad_token_id={self.pad_token_id} must lie in [0, vocab_size={self.vocab_size})")
+        if self.position_embedding_type != "absolute":
+            raise ConfigError(f"position_embedding_type={self.position_embedding_type!r} is not supported; fastbert "
+                              "implements absolute position embeddings only")
+        if self.extra.get("is_decoder") or self.extra.get("add_cross_attention"):
+            raise ConfigError("decoder / cross-attention BERT configs are not supported by fastbert")
 
     @property
     def head_dim(self) -> int:
@@ -105,19 +116,13 @@ class BertConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "BertConfig":
         d = dict(d)
-        known = {f.name for f in fields(cls)} - {"extra"}
+        known = {f.name for f in fields(cls)} - {"extra", "sparse_prediction"}
         if "hidden_act" in d:
             act = d["hidden_act"]
             if act not in _HF_ACT_IN:
                 raise ConfigError(f"hidden_act={act!r} in config is not supported; fastbert supports "
                                   f"{sorted(_HF_ACT_IN)}")
             d["hidden_act"] = _HF_ACT_IN[act]
-        pet = d.get("position_embedding_type", "absolute")
-        if pet != "absolute":
-            raise ConfigError(f"position_embedding_type={pet!r} is not supported; fastbert implements "
-                              "absolute position embeddings only")
-        if d.get("is_decoder") or d.get("add_cross_attention"):
-            raise ConfigError("decoder / cross-attention BERT configs are not supported by fastbert")
         if "fastbert_prenorm" in d:
             d["prenorm"] = d.pop("fastbert_prenorm")
         if d.get("id2label"):

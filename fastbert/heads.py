@@ -1,7 +1,10 @@
-"""Task heads with HF's names, call signatures and output fields.
+"""Task heads with HF's names, call signatures, output fields and losses.
 
-Pretraining / MLM use the sparse MLM loss (only masked positions are predicted) when labels are
-given; dense ``logits`` are computed only when no labels are passed.
+Every head gives HF's results for any 0/1 ``attention_mask``: labels on masked positions count as
+in HF (those positions are computed as HF computes them, ``fastbert.padding_rows``), poolers read
+position 0. Pretraining / MLM return HF's dense ``logits`` / ``prediction_logits``; with
+``config.sparse_prediction`` and labels they return only the sparse MLM loss (only labelled
+positions are predicted, the (tokens x vocab) logits never exist), the speed path of ``fastbert pretrain``.
 """
 from __future__ import annotations
 
@@ -10,10 +13,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fastbert.config import BertConfig
-from fastbert.model import (BertModel, BertPreTrainedModel, ModelOutput, _reject_unsupported, first_token_rows,
-                            gelu_approx, padded_attentions, padded_hidden_states)
+from fastbert.model import (BertModel, BertPreTrainedModel, InputError, ModelOutput, _reject_unsupported,
+                            first_position, gelu_approx, padded_hidden_states)
 from fastbert.ops.mlm_loss import mlm_transform_ref
 from fastbert.padding import pad
+from fastbert.padding_rows import at_position, label_positions, union
+
+
+def token_label_positions(labels, input_ids):
+    """Positions holding a token label (``labels`` shaped like ``input_ids``), or None without labels."""
+    if labels is None or input_ids is None:
+        return None
+    if labels.numel() != input_ids.numel():
+        raise InputError(f"labels has shape {tuple(labels.shape)} but input_ids has {tuple(input_ids.shape)}: "
+                         "token labels need one label (or -100) per position")
+    return label_positions(labels.reshape(input_ids.shape))
 
 
 class BertPredictionHeadTransform(nn.Module):
@@ -98,18 +112,26 @@ class _MLMModel(BertPreTrainedModel):
                           mlm_count=count, nsp_correct=nsp_correct, nsp_count=nsp_count)
         return out if return_dict else out.to_tuple()
 
-    def _mlm(self, x, info, labels):
-        """Sparse loss on ``x`` (tokens, hidden) when labels are given; else dense padded logits."""
+    def _mlm(self, x, rows, labels):
+        """(loss, dense padded logits, correct, count) for ``x`` (rows, hidden). Dense logits unless
+        ``config.sparse_prediction`` with labels (then the sparse loss, never the full logits)."""
         head = self.cls.predictions
         if labels is None:
-            return None, pad(head.logits(x), info), None, None
-        flat_labels = labels.reshape(-1).index_select(0, info.indices)
-        loss, correct, count = head.loss(self.ops, x, flat_labels)
-        return loss, None, correct, count
+            return None, pad(head.logits(x), rows.placed), None, None
+        flat_labels = labels.reshape(-1).index_select(0, rows.placed.indices)
+        if self.config.sparse_prediction:
+            loss, correct, count = head.loss(self.ops, x, flat_labels)
+            return loss, None, correct, count
+        logits = head.logits(x)  # (rows, vocab): HF's loss over these; unlabelled rows are ignored
+        loss = F.cross_entropy(logits.float(), flat_labels, ignore_index=-100)
+        keep = flat_labels != -100
+        correct = ((logits.argmax(-1) == flat_labels) & keep).sum()
+        return loss, pad(logits, rows.placed), correct, keep.sum()
 
 
 class BertForPreTraining(_MLMModel):
-    """MLM (sparse, tied decoder) + NSP on the pooled [CLS]. ``next_sentence_label`` is optional."""
+    """MLM (tied decoder) + NSP on the pooled position 0. Either label is optional (HF returns a loss
+    only when both are given; fastbert returns the one it has)."""
 
     has_nsp = True
 
@@ -119,10 +141,11 @@ class BertForPreTraining(_MLMModel):
         _reject_unsupported(unused)
         if packed is not None:
             return self._forward_packed(packed, return_dict)
-        x, info, hidden, attn = self.bert.run(input_ids, attention_mask, token_type_ids, position_ids,
-                                              output_attentions, output_hidden_states)
-        nsp_logits = self.cls.seq_relationship(self.bert.pooler(first_token_rows(x, info)))  # (B, 2)
-        mlm_loss, logits, correct, count = self._mlm(x, info, labels)
+        need = union(first_position(input_ids), token_label_positions(labels, input_ids))
+        x, rows, hidden, attn = self.bert.run(input_ids, attention_mask, token_type_ids, position_ids,
+                                              output_attentions, output_hidden_states, need)
+        nsp_logits = self.cls.seq_relationship(self.bert.pooler(at_position(x, rows, 0)))  # (B, 2)
+        mlm_loss, logits, correct, count = self._mlm(x, rows, labels)
         loss = mlm_loss
         nsp_correct = None
         if next_sentence_label is not None:
@@ -130,7 +153,7 @@ class BertForPreTraining(_MLMModel):
             loss = nsp_loss if loss is None else loss + nsp_loss
             nsp_correct = (nsp_logits.argmax(-1) == next_sentence_label.view(-1)).sum()
         out = ModelOutput(loss=loss, prediction_logits=logits, seq_relationship_logits=nsp_logits,
-                          hidden_states=padded_hidden_states(hidden, info), attentions=padded_attentions(attn, info),
+                          hidden_states=padded_hidden_states(hidden, rows), attentions=attn,
                           mlm_loss=mlm_loss, mlm_correct=correct, mlm_count=count, nsp_correct=nsp_correct)
         return out if return_dict else out.to_tuple()
 
@@ -143,12 +166,35 @@ class BertForMaskedLM(_MLMModel):
         _reject_unsupported(unused)
         if packed is not None:
             return self._forward_packed(packed, return_dict)
-        x, info, hidden, attn = self.bert.run(input_ids, attention_mask, token_type_ids, position_ids,
-                                              output_attentions, output_hidden_states)
-        loss, logits, correct, count = self._mlm(x, info, labels)
-        out = ModelOutput(loss=loss, logits=logits, hidden_states=padded_hidden_states(hidden, info),
-                          attentions=padded_attentions(attn, info), mlm_correct=correct, mlm_count=count)
+        x, rows, hidden, attn = self.bert.run(input_ids, attention_mask, token_type_ids, position_ids,
+                                              output_attentions, output_hidden_states,
+                                              token_label_positions(labels, input_ids))
+        loss, logits, correct, count = self._mlm(x, rows, labels)
+        out = ModelOutput(loss=loss, logits=logits, hidden_states=padded_hidden_states(hidden, rows),
+                          attentions=attn, mlm_correct=correct, mlm_count=count)
         return out if return_dict else out.to_tuple()
+
+
+class BertForNextSentencePrediction(BertPreTrainedModel):
+    """NSP alone (HF's ``cls.seq_relationship`` on the pooled position 0); ``labels``: 0 = is next."""
+
+    head_prefixes = ("cls.",)
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.bert = BertModel(config)
+        self.cls = nn.Module()
+        self.cls.seq_relationship = nn.Linear(config.hidden_size, 2)
+        self.init_weights()
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
+                output_attentions=False, output_hidden_states=False, return_dict=True, **unused):
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, output_attentions,
+                        output_hidden_states, **unused)
+        logits = self.cls.seq_relationship(out.pooler_output)  # (B, 2)
+        loss = F.cross_entropy(logits.float(), labels.view(-1)) if labels is not None else None
+        res = ModelOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
+        return res if return_dict else res.to_tuple()
 
 
 def _classifier_dropout(config: BertConfig) -> nn.Dropout:
@@ -213,20 +259,23 @@ class BertForTokenClassification(BertPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
                 output_attentions=False, output_hidden_states=False, return_dict=True, **unused):
         _reject_unsupported(unused)
-        x, info, hidden, attn = self.bert.run(input_ids, attention_mask, token_type_ids, position_ids,
-                                              output_attentions, output_hidden_states)
-        token_logits = self.classifier(self.dropout(x))  # (tokens, num_labels): real tokens only
+        x, rows, hidden, attn = self.bert.run(input_ids, attention_mask, token_type_ids, position_ids,
+                                              output_attentions, output_hidden_states,
+                                              token_label_positions(labels, input_ids))
+        token_logits = self.classifier(self.dropout(x))  # (rows, num_labels): real tokens + labelled padding
         loss = None
         if labels is not None:
-            flat = labels.reshape(-1).index_select(0, info.indices)
+            flat = labels.reshape(-1).index_select(0, rows.placed.indices)
             loss = F.cross_entropy(token_logits.float(), flat, ignore_index=-100)
-        res = ModelOutput(loss=loss, logits=pad(token_logits, info), hidden_states=padded_hidden_states(hidden, info),
-                          attentions=padded_attentions(attn, info))
+        res = ModelOutput(loss=loss, logits=pad(token_logits, rows.placed),
+                          hidden_states=padded_hidden_states(hidden, rows), attentions=attn)
         return res if return_dict else res.to_tuple()
 
 
 class BertForQuestionAnswering(BertPreTrainedModel):
-    """Span start/end logits; padding positions get the dtype's lowest value so they are never chosen."""
+    """Span start/end logits. With start/end positions the loss is HF's: a softmax over every position,
+    padding included (so the padding positions are computed, and their logits returned); without,
+    masked positions are not computed and get the dtype's lowest value, so they are never chosen."""
 
     head_prefixes = ("qa_outputs.",)
 
@@ -240,19 +289,21 @@ class BertForQuestionAnswering(BertPreTrainedModel):
                 start_positions=None, end_positions=None, output_attentions=False, output_hidden_states=False,
                 return_dict=True, **unused):
         _reject_unsupported(unused)
-        x, info, hidden, attn = self.bert.run(input_ids, attention_mask, token_type_ids, position_ids,
-                                              output_attentions, output_hidden_states)
-        logits = pad(self.qa_outputs(x), info, value=torch.finfo(x.dtype).min)  # (B, S, 2)
+        with_loss = start_positions is not None and end_positions is not None
+        need = torch.ones_like(input_ids, dtype=torch.bool) if with_loss and input_ids is not None else None
+        x, rows, hidden, attn = self.bert.run(input_ids, attention_mask, token_type_ids, position_ids,
+                                              output_attentions, output_hidden_states, need)
+        logits = pad(self.qa_outputs(x), rows.placed, value=torch.finfo(x.dtype).min)  # (B, S, 2)
         start_logits, end_logits = logits[..., 0].contiguous(), logits[..., 1].contiguous()
         loss = None
-        if start_positions is not None and end_positions is not None:
+        if with_loss:
             ignored = start_logits.shape[1]
             s = start_positions.view(-1).clamp(0, ignored)
             e = end_positions.view(-1).clamp(0, ignored)
             loss = (F.cross_entropy(start_logits.float(), s, ignore_index=ignored)
                     + F.cross_entropy(end_logits.float(), e, ignore_index=ignored)) / 2
         res = ModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits,
-                          hidden_states=padded_hidden_states(hidden, info), attentions=padded_attentions(attn, info))
+                          hidden_states=padded_hidden_states(hidden, rows), attentions=attn)
         return res if return_dict else res.to_tuple()
 
 
@@ -280,5 +331,6 @@ class BertForMultipleChoice(BertPreTrainedModel):
         return res if return_dict else res.to_tuple()
 
 
-HEADS = {cls.__name__: cls for cls in (BertModel, BertForPreTraining, BertForMaskedLM, BertForSequenceClassification,
-                                       BertForTokenClassification, BertForQuestionAnswering, BertForMultipleChoice)}
+HEADS = {cls.__name__: cls for cls in (BertModel, BertForPreTraining, BertForMaskedLM, BertForNextSentencePrediction,
+                                       BertForSequenceClassification, BertForTokenClassification,
+                                       BertForQuestionAnswering, BertForMultipleChoice)}

@@ -24,6 +24,9 @@ _FUSED = re.compile(r"^(.*attention\.self\.)qkv\.(weight|bias)$")
 # Keys HF checkpoints carry that fastbert derives or does not keep.
 _DROP = re.compile(r"(^|\.)embeddings\.position_ids$|^cls\.predictions\.decoder\.(weight|bias)$")
 _ENCODER_ROOTS = ("embeddings.", "encoder.", "pooler.")
+# The tied MLM decoder: {its key: the key of the tensor it is tied to}, in a head's HF layout.
+_TIED = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+         "cls.predictions.decoder.bias": "cls.predictions.bias"}
 
 
 class CheckpointError(ValueError):
@@ -72,18 +75,19 @@ def hf_to_fastbert(state: dict[str, torch.Tensor], prefix_encoder: bool) -> dict
 
 
 def fastbert_to_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Convert a fastbert state dict to HF's layout (split QKV, untied copies for the decoder)."""
+    """Convert a fastbert state dict to HF's layout (split QKV). The MLM decoder is tied (weight = the
+    word embeddings, bias = ``cls.predictions.bias``), so, as HF saves it, it is not written again:
+    HF ties it back on load."""
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
+        if key in _TIED:
+            continue
         m = _FUSED.match(key)
         if m:
             for name, chunk in zip(("query", "key", "value"), value.chunk(3, dim=0)):
                 out[f"{m.group(1)}{name}.{m.group(2)}"] = chunk.clone()
             continue
         out[key] = value
-    if "cls.predictions.bias" in out:
-        out["cls.predictions.decoder.bias"] = out["cls.predictions.bias"].clone()
-        out["cls.predictions.decoder.weight"] = out["bert.embeddings.word_embeddings.weight"].clone()
     return {k: v.detach().contiguous() for k, v in out.items()}
 
 
@@ -134,6 +138,7 @@ def load_converted(model, hf_state: dict[str, torch.Tensor]) -> None:
     from fastbert.model import BertModel
 
     prefixed = not isinstance(model, BertModel)
+    _check_tied(hf_state)
     state = hf_to_fastbert(hf_state, prefix_encoder=prefixed)
     expected = model.state_dict()
     tied = {"cls.predictions.decoder.weight"}
@@ -159,6 +164,16 @@ def load_converted(model, hf_state: dict[str, torch.Tensor]) -> None:
         for k, v in state.items():
             if k in expected:
                 expected[k].copy_(v)
+
+
+def _check_tied(hf_state: dict[str, torch.Tensor]) -> None:
+    """A checkpoint may store the tied decoder (older HF and fastbert did) or not (HF, fastbert now);
+    if it does, it must equal what fastbert ties it to."""
+    for key, source in _TIED.items():
+        if key in hf_state and source in hf_state and not torch.equal(hf_state[key], hf_state[source]):
+            raise CheckpointError(f"{key} differs from {source}: this checkpoint has an untied MLM decoder; "
+                                  "fastbert ties the decoder to the word embeddings and its bias to "
+                                  "cls.predictions.bias, as BERT does")
 
 
 # ---------------------------------------------------------------------------------- writing

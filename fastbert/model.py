@@ -1,7 +1,8 @@
 """BERT encoder: embeddings, fused-QKV attention, FFN, Post-LN / Pre-LN layers, unpadded encoder, pooler.
 
-The public API takes ``(batch, seq)`` ids and an ``attention_mask`` like HF's. The encoder unpads
-once on entry and every layer works on ``(total_tokens, hidden)`` with int32 ``cu_seqlens``;
+The public API takes ``(batch, seq)`` ids and an ``attention_mask`` like HF's (any 0/1 mask). The
+encoder unpads once on entry and every layer works on ``(total_tokens, hidden)`` with int32
+``cu_seqlens``, plus the masked positions a result reads as HF computes them (``fastbert.padding_rows``);
 outputs are padded back only on exit. Every op goes through ``fastbert.ops.get_ops(kernels)``,
 so ``kernels="torch"`` (reference) and ``kernels="triton"`` (fused) share one model.
 """
@@ -15,8 +16,8 @@ import torch.nn.functional as F
 
 from fastbert.config import BertConfig
 from fastbert.ops import get_ops
-from fastbert.ops.attention import attention_probs_ref
-from fastbert.padding import Unpadded, pad, unpad_mask
+from fastbert.padding import pad, unpad_mask
+from fastbert.padding_rows import Rows, attention_maps_or_packed, padding_need_counts, select_rows, with_padding_rows
 
 _GELU_APPROX = {"gelu": "none", "gelu_tanh": "tanh"}
 
@@ -82,17 +83,18 @@ class BertSelfAttention(nn.Module):
         self.config = config
         self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
 
-    def forward(self, ops, x, cu_seqlens, max_seqlen, output_attentions=False):
+    def forward(self, ops, x, cu_seqlens, max_seqlen, output_attentions=False, rows: Rows | None = None):
+        """``x``: ``(T, hidden)``, the real tokens then ``rows``' padding rows (if any)."""
         cfg = self.config
         T = x.shape[0]
         qkv = self.qkv(x).view(T, 3, cfg.num_attention_heads, cfg.head_dim)  # (T, 3, nh, hd)
         p = cfg.attention_probs_dropout_prob if self.training else 0.0
-        ctx = ops.attention_qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p=p,
-                                      seed=new_seed() if p > 0 else None)  # (T, nh, hd)
-        probs = None
-        if output_attentions:
-            q, k, _ = qkv.unbind(dim=1)  # (T, nh, hd) each
-            probs = attention_probs_ref(q, k, cu_seqlens, max_seqlen)
+        scale = cfg.head_dim ** -0.5
+        ctx = with_padding_rows(
+            lambda t: ops.attention_qkvpacked(t, cu_seqlens, max_seqlen, dropout_p=p, softmax_scale=scale,
+                                              seed=new_seed() if p > 0 else None),
+            qkv, rows, scale, p)  # (T, nh, hd)
+        probs = attention_maps_or_packed(qkv, rows, cu_seqlens, max_seqlen, scale) if output_attentions else None
         return ctx.reshape(T, cfg.hidden_size), probs
 
 
@@ -127,7 +129,7 @@ class BertLayer(nn.Module):
         h = ops.linear_bias_gelu(h, up.weight, up.bias, approximate=_GELU_APPROX[self.config.hidden_act])
         return F.linear(h, self.output.dense.weight)  # bias added inside the fused residual LayerNorm
 
-    def forward(self, ops, x, cu_seqlens, max_seqlen, output_attentions=False):
+    def forward(self, ops, x, cu_seqlens, max_seqlen, output_attentions=False, rows: Rows | None = None):
         cfg = self.config
         eps = cfg.layer_norm_eps
         p = cfg.hidden_dropout_prob if self.training else 0.0
@@ -139,12 +141,12 @@ class BertLayer(nn.Module):
                                               prenorm=prenorm, seed=new_seed() if p > 0 else None)
 
         if not cfg.prenorm:
-            ctx, probs = self.attention.self(ops, x, cu_seqlens, max_seqlen, output_attentions)
+            ctx, probs = self.attention.self(ops, x, cu_seqlens, max_seqlen, output_attentions, rows)
             x = add_norm(F.linear(ctx, attn_out.weight), x, ln_attn, attn_out.bias)
             x = add_norm(self._ffn(ops, x), x, ln_ffn, self.output.dense.bias)
             return x, probs
         h = ops.dropout_add_layer_norm(x, None, ln_attn.weight, ln_attn.bias, eps)
-        ctx, probs = self.attention.self(ops, h, cu_seqlens, max_seqlen, output_attentions)
+        ctx, probs = self.attention.self(ops, h, cu_seqlens, max_seqlen, output_attentions, rows)
         h, x = add_norm(F.linear(ctx, attn_out.weight), x, ln_ffn, attn_out.bias, prenorm=True)
         y = self._ffn(ops, h) + self.output.dense.bias
         x = x + (F.dropout(y, p, training=True) if p > 0 else y)
@@ -159,12 +161,15 @@ class BertEncoder(nn.Module):
         # Pre-LN needs a final LayerNorm on the residual stream; Post-LN ends normalized already.
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.prenorm else None
 
-    def forward(self, ops, x, cu_seqlens, max_seqlen, output_hidden_states=False, output_attentions=False):
-        """``x``: ``(tokens, hidden)``. Returns (last hidden, all hidden states or None, attentions or None)."""
+    def forward(self, ops, x, cu_seqlens, max_seqlen, output_hidden_states=False, output_attentions=False,
+                rows: Rows | None = None):
+        """``x``: ``(tokens, hidden)`` (with ``rows``: the real tokens, then the padding rows). Returns
+        (last hidden, all hidden states or None, attentions or None); attention maps are
+        ``(batch, nh, seq, seq)`` at the tokens' positions with ``rows``, packed per sequence without."""
         hidden_states = [x] if output_hidden_states else None
         attentions = [] if output_attentions else None
         for layer in self.layer:
-            x, probs = layer(ops, x, cu_seqlens, max_seqlen, output_attentions)
+            x, probs = layer(ops, x, cu_seqlens, max_seqlen, output_attentions, rows)
             if output_hidden_states:
                 hidden_states.append(x)
             if output_attentions:
@@ -275,11 +280,12 @@ class BertModel(BertPreTrainedModel):
         return self.embeddings.word_embeddings
 
     # ------------------------------------------------------------------ input checks
-    def _check_and_unpad(self, input_ids, attention_mask, token_type_ids, position_ids) -> Unpadded:
-        """Validate the inputs and describe their real tokens. Shape checks are free; the value checks
-        (id ranges) and the longest length come back from the device in ONE transfer, and with
-        ``validate_inputs = False`` (set by trainers whose data was validated when it was prepared)
-        only the length is fetched."""
+    def _check_and_unpad(self, input_ids, attention_mask, token_type_ids, position_ids, need=None) -> Rows:
+        """Validate the inputs and describe the rows to compute: the real tokens, and a padding row
+        for every masked position in ``need`` (``(batch, seq)`` bool, or None). Shape checks are free;
+        the value checks (id ranges), the longest length and the padding-row count come back from the
+        device in ONE transfer, and with ``validate_inputs = False`` (set by trainers whose data was
+        validated when it was prepared) only the lengths are fetched."""
         cfg = self.config
         if input_ids is None:
             raise InputError("input_ids is required (fastbert does not take inputs_embeds)")
@@ -298,29 +304,32 @@ class BertModel(BertPreTrainedModel):
             attention_mask = torch.ones_like(input_ids)
         info = unpad_mask(attention_mask, max_seqlen=0)  # the real value comes with the stats below
         if not input_ids.numel():
-            return info
+            return select_rows(info, attention_mask, None)
         stats = [info.cu_seqlens.diff().max()]
+        counts = padding_need_counts(attention_mask, need)
+        stats.append(counts.max() if counts is not None else stats[0].new_zeros(()))
         if self.validate_inputs:
             types = token_type_ids if token_type_ids is not None else input_ids.new_zeros(1)
             stats += [input_ids.min(), input_ids.max(), types.min(), types.max()]
         stats = torch.stack([t.to(torch.int64) for t in stats]).tolist()  # the one device -> host sync
         info = info._replace(max_seqlen=int(stats[0]))
         if self.validate_inputs:
-            lo, hi, tlo, thi = stats[1:]
+            lo, hi, tlo, thi = stats[2:]
             if lo < 0 or hi >= cfg.vocab_size:
                 raise InputError(
                     f"token id {hi if hi >= cfg.vocab_size else lo} is outside the vocabulary [0, {cfg.vocab_size}); "
                     "the tokenizer's vocab does not match this model (use the model's own vocab.txt)")
             if tlo < 0 or thi >= cfg.type_vocab_size:
                 raise InputError(f"token_type_ids must lie in [0, type_vocab_size={cfg.type_vocab_size})")
-        return info
+        return select_rows(info, attention_mask, need, max_extra=int(stats[1]))
 
     # ------------------------------------------------------------------ forward
     def encode_unpadded(self, input_ids, cu_seqlens, max_seqlen, token_type_ids=None, position_ids=None,
-                        output_hidden_states=False, output_attentions=False):
+                        output_hidden_states=False, output_attentions=False, rows: Rows | None = None):
         """Run the encoder on already-unpadded ``(tokens,)`` ids; returns ``(tokens, hidden)`` and extras.
 
-        ``position_ids`` default to each token's index within its sequence.
+        ``position_ids`` default to each token's index within its sequence. ``rows`` (from ``run``):
+        the ids are the real tokens followed by padding rows, which attend to the real tokens only.
         """
         ops = self.ops
         if token_type_ids is None:
@@ -330,53 +339,47 @@ class BertModel(BertPreTrainedModel):
                                              output_size=input_ids.shape[0])
             position_ids = torch.arange(input_ids.shape[0], device=input_ids.device) - starts
         x = self.embeddings(ops, input_ids, position_ids, token_type_ids)
-        return self.encoder(ops, x, cu_seqlens, max_seqlen, output_hidden_states, output_attentions)
+        return self.encoder(ops, x, cu_seqlens, max_seqlen, output_hidden_states, output_attentions, rows)
 
     def run(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
-            output_attentions=False, output_hidden_states=False):
-        """Check, unpad, encode. Returns ``(tokens, hidden)``, the Unpadded info, hidden states, attentions."""
-        info = self._check_and_unpad(input_ids, attention_mask, token_type_ids, position_ids)
-        flat = lambda t: None if t is None else t.reshape(-1).index_select(0, info.indices)  # noqa: E731
-        if position_ids is None:
+            output_attentions=False, output_hidden_states=False, need=None):
+        """Check, unpad, encode. ``need``: ``(batch, seq)`` bool of the positions a result reads (HF
+        computes masked positions too; those in ``need`` get padding rows). Returns ``(rows, hidden)``
+        (the real tokens, then the padding rows), the Rows, hidden states and attention maps (or None)."""
+        rows = self._check_and_unpad(input_ids, attention_mask, token_type_ids, position_ids, need)
+        index = rows.placed.indices
+        flat = lambda t: None if t is None else t.reshape(-1).index_select(0, index)  # noqa: E731
+        if position_ids is None:  # HF's: the index in the padded row, whatever the mask
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x, hidden, attn = self.encode_unpadded(
-            flat(input_ids), info.cu_seqlens, info.max_seqlen, flat(token_type_ids), flat(position_ids),
-            output_hidden_states, output_attentions)
-        return x, info, hidden, attn
+            flat(input_ids), rows.real.cu_seqlens, rows.real.max_seqlen, flat(token_type_ids), flat(position_ids),
+            output_hidden_states, output_attentions, rows)
+        return x, rows, hidden, (tuple(attn) if attn is not None else None)
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 output_attentions=False, output_hidden_states=False, return_dict=True, **unused):
         _reject_unsupported(unused)
-        x, info, hidden, attn = self.run(input_ids, attention_mask, token_type_ids, position_ids,
-                                         output_attentions, output_hidden_states)
-        seq = pad(x, info)  # (B, S, H)
+        need = first_position(input_ids) if self.pooler is not None else None  # HF pools position 0, masked or not
+        x, rows, hidden, attn = self.run(input_ids, attention_mask, token_type_ids, position_ids,
+                                         output_attentions, output_hidden_states, need)
+        seq = pad(x, rows.placed)  # (B, S, H)
         out = ModelOutput(last_hidden_state=seq,
                           pooler_output=self.pooler(seq[:, 0]) if self.pooler is not None else None,
-                          hidden_states=padded_hidden_states(hidden, info),
-                          attentions=padded_attentions(attn, info))
+                          hidden_states=padded_hidden_states(hidden, rows), attentions=attn)
         return out if return_dict else out.to_tuple()
 
 
-def first_token_rows(x: torch.Tensor, info: Unpadded) -> torch.Tensor:
-    """``(batch, hidden)``: each sequence's first token ([CLS]) from the unpadded ``(tokens, hidden)``;
-    zeros for empty sequences (all-padding rows)."""
-    if x.shape[0] == 0:
-        return x.new_zeros(info.batch, x.shape[1])
-    lengths = info.cu_seqlens[1:] - info.cu_seqlens[:-1]
-    rows = x.index_select(0, info.cu_seqlens[:-1].long().clamp(max=x.shape[0] - 1))
-    return rows * (lengths > 0).unsqueeze(1).to(x.dtype)
-
-
-def padded_hidden_states(hidden, info: Unpadded):
-    return tuple(pad(h, info) for h in hidden) if hidden is not None else None
-
-
-def padded_attentions(attn, info: Unpadded):
-    """``(B, nh, maxlen, maxlen)`` maps padded to the input length ``(B, nh, S, S)``."""
-    if attn is None:
+def first_position(input_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """``(batch, seq)`` bool, True at position 0: what a pooler reads."""
+    if input_ids is None or input_ids.dim() != 2:
         return None
-    extra = info.seqlen - info.max_seqlen
-    return tuple(F.pad(a, (0, extra, 0, extra)) for a in attn)
+    need = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+    need[:, 0] = True
+    return need
+
+
+def padded_hidden_states(hidden, rows: Rows):
+    return tuple(pad(h, rows.placed) for h in hidden) if hidden is not None else None
 
 
 def _reject_unsupported(kwargs: dict):

@@ -9,14 +9,23 @@ Inside: unpad once at entry (``fastbert.padding``), embeddings + LayerNorm, then
 QKV GEMM (HF's query / key / value weights concatenated at call time), varlen attention, output
 projection, fused bias + dropout + residual + LayerNorm, fused bias + GELU FFN; pad back on exit.
 
-Differences from HF that no loss sees: hidden states at padding positions are 0 (HF computes
-values there), attention maps are 0 on padding rows and are the maps before dropout, and dropout
-draws different random masks. Forward hooks on HF's inner modules (layers, attention) no longer
-fire; hooks on ``BertModel`` and the heads do.
+Any 0/1 mask gives HF's results: positions where the mask is 0 are computed as HF computes them
+when something reads them (``fastbert.padding_rows``): position 0 for the pooler, and, through a
+wrapper around the head's ``forward``, the positions holding token labels (masked LM, pretraining,
+token classification) and every position for a question-answering loss. So HF's heads compute
+HF's losses and gradients on labels anywhere.
+
+Differences from HF that no loss sees: hidden states at masked positions nothing reads are 0 (HF
+computes values there), attention maps are the maps before dropout (0 on those positions' rows),
+and dropout draws different random masks. Forward hooks on HF's inner modules (layers, attention)
+no longer fire; hooks on ``BertModel`` and the heads do.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import math
+import threading
 import types
 from typing import Optional
 
@@ -25,8 +34,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from fastbert.ops import get_ops
-from fastbert.ops.attention import attention_probs_ref
-from fastbert.padding import Unpadded, pad, unpad, unpad_mask
+from fastbert.padding import pad, unpad, unpad_mask
+from fastbert.padding_rows import Rows, attention_maps, label_positions, select_rows, union, with_padding_rows
 
 _STATE = "_fastbert_patch"  # attribute on the patched BertModel: what unpatch restores
 _GELU = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh"}
@@ -53,12 +62,80 @@ def patch(model, kernels: Optional[str] = None):
         get_ops(kernels)  # fail now, not at the first batch, if triton is missing
     state = getattr(bert, _STATE, None)
     if state is None:
-        had_own = "forward" in bert.__dict__
-        state = {"had_own_forward": had_own, "forward": bert.__dict__.get("forward")}
+        state = {"saved": [_replace_forward(bert, types.MethodType(_patched_forward, bert))]}
+        if model is not bert:
+            state["saved"].append(_replace_forward(model, _head_forward(model, bert)))
         setattr(bert, _STATE, state)
-        bert.forward = types.MethodType(_patched_forward, bert)
     state["kernels"] = kernels
     return model
+
+
+def _replace_forward(module, new):
+    """Put ``new`` as ``module``'s forward (on the instance); returns what ``unpatch`` restores."""
+    saved = (module, "forward" in module.__dict__, module.__dict__.get("forward"))
+    module.forward = new
+    return saved
+
+
+# The positions a head's loss reads, handed from the head's forward to the patched BertModel's
+# forward during one call: {id(bert): (batch, seq) bool}, per thread.
+_PENDING = threading.local()
+
+
+def _head_forward(model, bert):
+    """``model.forward`` (the HF head) wrapped: the positions its loss reads go to ``bert``'s forward.
+    The wrapper keeps the head's signature (HF Trainer reads it to pick the input columns)."""
+    original = model.forward
+    signature = inspect.signature(original)
+    reads = _loss_positions_reader(model)
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        try:
+            given = signature.bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            return original(*args, **kwargs)  # HF's own error
+        need = reads(given) if reads is not None else None
+        if need is None:
+            return original(*args, **kwargs)
+        pending = getattr(_PENDING, "needs", {})
+        _PENDING.needs = {**pending, id(bert): need}
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _PENDING.needs = pending
+    return forward
+
+
+def _loss_positions_reader(model):
+    """A function of the bound forward arguments giving the ``(batch, seq)`` positions the head's loss
+    reads (None: only the pooler's position 0, which the patched BertModel adds itself)."""
+    mb = _bert_classes()
+
+    def shape(given):
+        ref = given.get("input_ids")
+        ref = ref if ref is not None else given.get("inputs_embeds")
+        return None if ref is None else (ref.shape[:2], ref.device)
+
+    if isinstance(model, mb.BertForQuestionAnswering):  # HF's span softmax runs over every position
+        def reads(given):
+            if given.get("start_positions") is None or given.get("end_positions") is None or shape(given) is None:
+                return None
+            size, device = shape(given)
+            return torch.ones(size, dtype=torch.bool, device=device)
+        return reads
+    shift = 1 if isinstance(model, getattr(mb, "BertLMHeadModel", ())) else 0  # causal LM: labels shifted left
+    if shift or isinstance(model, (mb.BertForMaskedLM, mb.BertForPreTraining, mb.BertForTokenClassification)):
+        def reads(given):
+            labels, s = given.get("labels"), shape(given)
+            if labels is None or s is None or labels.numel() != s[0].numel():
+                return None
+            need = label_positions(labels.reshape(s[0]).to(s[1]))
+            if shift:
+                need = F.pad(need[:, shift:], (0, shift), value=False)
+            return need
+        return reads
+    return None
 
 
 def unpatch(model):
@@ -67,10 +144,11 @@ def unpatch(model):
     state = getattr(bert, _STATE, None)
     if state is None:
         return model
-    if state["had_own_forward"]:
-        bert.forward = state["forward"]
-    else:
-        del bert.forward
+    for module, had_own, forward in state["saved"]:
+        if had_own:
+            module.forward = forward
+        else:
+            del module.forward
     delattr(bert, _STATE)
     return model
 
@@ -148,8 +226,9 @@ def _p(dropout: torch.nn.Module) -> float:
     return dropout.p if dropout.training else 0.0
 
 
-def _embed(emb, ops, info: Unpadded, input_ids, token_type_ids, position_ids, inputs_embeds):
-    """``(tokens, hidden)`` embeddings of the real tokens only."""
+def _embed(emb, ops, rows: Rows, input_ids, token_type_ids, position_ids, inputs_embeds):
+    """``(rows, hidden)`` embeddings of the real tokens, then of the padding rows."""
+    info = rows.placed
     if inputs_embeds is not None:  # user-supplied vectors: HF's module on the padded batch, then unpad
         out = emb(input_ids=None, token_type_ids=token_type_ids, position_ids=position_ids,
                   inputs_embeds=inputs_embeds)
@@ -174,8 +253,9 @@ def _cat_or_none(*tensors):
     return None if any(t is None for t in tensors) else torch.cat(tensors)
 
 
-def _layer(layer, ops, x, cu_seqlens, max_seqlen, hidden_act, output_attentions):
-    """One HF ``BertLayer`` (Post-LN) on ``(tokens, hidden)``; returns the new x and the maps or None."""
+def _layer(layer, ops, x, rows: Rows, hidden_act, output_attentions):
+    """One HF ``BertLayer`` (Post-LN) on ``(rows, hidden)`` (real tokens, then padding rows); returns the
+    new x and the ``(batch, nh, seq, seq)`` maps or None."""
     sa, so = layer.attention.self, layer.attention.output
     tokens = x.shape[0]
     nh, hd = sa.num_attention_heads, sa.attention_head_size
@@ -184,12 +264,18 @@ def _layer(layer, ops, x, cu_seqlens, max_seqlen, hidden_act, output_attentions)
     w_qkv = torch.cat((sa.query.weight, sa.key.weight, sa.value.weight))  # (3 * nh * hd, hidden)
     b_qkv = _cat_or_none(sa.query.bias, sa.key.bias, sa.value.bias)
     qkv = F.linear(x, w_qkv, b_qkv).view(tokens, 3, nh, hd)                # (T, 3, nh, hd)
-    q, k, v = qkv.unbind(dim=1)                                            # (T, nh, hd) each views
     p_attn = _p(sa.dropout)
     scale = getattr(sa, "scaling", None) or 1.0 / math.sqrt(hd)
-    ctx = ops.attention(q, k, v, cu_seqlens, max_seqlen, dropout_p=p_attn, softmax_scale=scale,
-                        seed=_new_seed() if p_attn > 0 else None)         # (T, nh, hd)
-    probs = attention_probs_ref(q, k, cu_seqlens, max_seqlen, scale) if output_attentions else None
+    real = rows.real
+
+    def real_attention(t):                                                 # (T_real, 3, nh, hd)
+        q, k, v = t.unbind(dim=1)                                          # (T_real, nh, hd) each, views
+        return ops.attention(q, k, v, real.cu_seqlens, real.max_seqlen, dropout_p=p_attn, softmax_scale=scale,
+                             seed=_new_seed() if p_attn > 0 else None)
+    ctx = with_padding_rows(real_attention, qkv, rows, scale, p_attn)     # (T, nh, hd)
+    probs = None
+    if output_attentions:
+        probs = attention_maps(qkv[:, 0], qkv[:tokens - rows.num_extra, 1], rows, scale)
     h = F.linear(ctx.reshape(tokens, nh * hd), so.dense.weight)            # bias goes into the LN op
     p = _p(so.dropout)
     x = ops.dropout_add_layer_norm(h, x, so.LayerNorm.weight, so.LayerNorm.bias, so.LayerNorm.eps,
@@ -208,22 +294,16 @@ def _layer(layer, ops, x, cu_seqlens, max_seqlen, hidden_act, output_attentions)
     return x, probs
 
 
-def _run_layer(layer, ops, x, cu_seqlens, max_seqlen, hidden_act, output_attentions):
+def _run_layer(layer, ops, x, rows: Rows, hidden_act, output_attentions):
     if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
         # Recompute in backward; checkpoint restores the RNG state, so the dropout seeds drawn
         # inside the layer are drawn again identically.
         fn = getattr(layer, "_gradient_checkpointing_func", None)
-        run = lambda t: _layer(layer, ops, t, cu_seqlens, max_seqlen, hidden_act, output_attentions)  # noqa: E731
+        run = lambda t: _layer(layer, ops, t, rows, hidden_act, output_attentions)  # noqa: E731
         if fn is None:
             return torch.utils.checkpoint.checkpoint(run, x, use_reentrant=False)
         return fn(run, x)
-    return _layer(layer, ops, x, cu_seqlens, max_seqlen, hidden_act, output_attentions)
-
-
-def _padded_maps(probs, info: Unpadded):
-    """``(B, nh, maxlen, maxlen)`` -> ``(B, nh, S, S)`` as HF returns them."""
-    extra = info.seqlen - info.max_seqlen
-    return F.pad(probs, (0, extra, 0, extra))
+    return _layer(layer, ops, x, rows, hidden_act, output_attentions)
 
 
 def _patched_forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
@@ -250,22 +330,31 @@ def _patched_forward(self, input_ids=None, attention_mask=None, token_type_ids=N
 
     kernels = getattr(self, _STATE)["kernels"] or ("triton" if ref.is_cuda else "torch")
     ops = get_ops(kernels)
-    info = unpad_mask(attention_mask)
-    x = _embed(self.embeddings, ops, info, input_ids, token_type_ids, position_ids, inputs_embeds)  # (T, H)
+    # Masked positions something reads: the head's loss positions (from its wrapped forward) and
+    # position 0 for the pooler, computed as HF computes them.
+    need = getattr(_PENDING, "needs", {}).get(id(self))
+    if need is not None and need.shape != (batch, seq):
+        need = None
+    if self.pooler is not None:
+        first = torch.zeros((batch, seq), dtype=torch.bool, device=ref.device)
+        first[:, 0] = True
+        need = union(need, first)
+    rows = select_rows(unpad_mask(attention_mask), attention_mask, need)
+    x = _embed(self.embeddings, ops, rows, input_ids, token_type_ids, position_ids, inputs_embeds)  # (T, H)
 
     hidden, maps = [x] if want_hidden else None, [] if output_attentions else None
     for layer in self.encoder.layer:
-        x, probs = _run_layer(layer, ops, x, info.cu_seqlens, info.max_seqlen, cfg.hidden_act, output_attentions)
+        x, probs = _run_layer(layer, ops, x, rows, cfg.hidden_act, output_attentions)
         if hidden is not None:
             hidden.append(x)
         if maps is not None:
-            maps.append(_padded_maps(probs, info))
+            maps.append(probs)
 
-    sequence_output = pad(x, info)  # (B, S, H), zeros at padding
+    sequence_output = pad(x, rows.placed)  # (B, S, H), zeros at the masked positions nothing reads
     pooled = self.pooler(sequence_output) if self.pooler is not None else None
     all_hidden = None
     if hidden is not None:
-        all_hidden = [pad(h, info) for h in hidden[:-1]] + [sequence_output]
+        all_hidden = [pad(h, rows.placed) for h in hidden[:-1]] + [sequence_output]
         if not isinstance(output_hidden_states, bool):
             chosen = [output_hidden_states] if isinstance(output_hidden_states, int) else list(output_hidden_states)
             chosen = {i % len(all_hidden) for i in chosen}

@@ -76,6 +76,7 @@ def build_model(cfg: dict, index: dict, device: torch.device):
                          f"{index['vocab_size']}-token vocabulary; drop the override (the data decides) or "
                          "re-prepare the data with the model's vocab.txt")
     overrides.setdefault("max_position_embeddings", max(512, index["seq_len"]))
+    overrides.setdefault("sparse_prediction", True)  # MLM loss on the masked rows only, no dense logits
     if overrides["max_position_embeddings"] < index["seq_len"]:
         raise ValueError(f"{cfg['data']['dir']} holds sequences of up to {index['seq_len']} tokens but the model has "
                          f"max_position_embeddings={overrides['max_position_embeddings']}; raise "

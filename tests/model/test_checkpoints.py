@@ -86,6 +86,39 @@ def test_pretraining_checkpoint_round_trip(tmp_path):
     torch.testing.assert_close(enc.bert.embeddings.word_embeddings.weight, fb.bert.embeddings.word_embeddings.weight)
 
 
+def test_tied_decoder_is_stored_once_and_both_forms_load(tmp_path):
+    """The MLM decoder is tied (weight = word embeddings, bias = cls.predictions.bias): stored once,
+    as HF saves it, and checkpoints that do store it (older HF and fastbert files) load the same."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    fb = fastbert.BertForPreTraining(fastbert.BertConfig.preset("tiny", vocab_size=4000)).eval()
+    fb.save_pretrained(tmp_path / "once")
+    stored = load_file(str(tmp_path / "once/model.safetensors"))
+    assert not any(k.startswith("cls.predictions.decoder.") for k in stored)
+    unique = sum(p.numel() for p in fb.parameters()) * 4  # fp32 bytes, each shared tensor once
+    assert (tmp_path / "once/model.safetensors").stat().st_size < unique * 1.01
+    hf = transformers.BertForPreTraining.from_pretrained(str(tmp_path / "once")).eval()
+    assert hf.cls.predictions.decoder.weight.data_ptr() == hf.bert.embeddings.word_embeddings.weight.data_ptr()
+    # the other form: the tied tensors stored a second time
+    dup = dict(stored, **{"cls.predictions.decoder.weight": stored["bert.embeddings.word_embeddings.weight"].clone(),
+                          "cls.predictions.decoder.bias": stored["cls.predictions.bias"].clone()})
+    (tmp_path / "dup").mkdir()
+    save_file(dup, str(tmp_path / "dup/model.safetensors"))
+    (tmp_path / "dup/config.json").write_text((tmp_path / "once/config.json").read_text())
+    ids = torch.randint(1, 4000, (2, 9))
+    with torch.no_grad():
+        want = hf(input_ids=ids).prediction_logits
+        for d in ("once", "dup"):
+            got = fastbert.BertForPreTraining.from_pretrained(tmp_path / d).eval()(input_ids=ids).prediction_logits
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    # a decoder that is NOT the word embeddings cannot be tied: refused, not silently replaced
+    dup["cls.predictions.decoder.weight"] = dup["cls.predictions.decoder.weight"] + 1
+    save_file(dup, str(tmp_path / "dup/model.safetensors"))
+    with pytest.raises(CheckpointError, match="untied MLM decoder"):
+        fastbert.BertForPreTraining.from_pretrained(tmp_path / "dup")
+
+
 def test_bin_checkpoint(tmp_path):
     torch.manual_seed(0)
     hf = transformers.BertModel(transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1,
