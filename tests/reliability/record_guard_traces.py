@@ -69,7 +69,7 @@ def main() -> int:
                               out=str(data), seq_len=128, workers=1), progress=False)
     out = Path(args.out)
     result = json.loads(out.read_text()) if out.is_file() else {}
-    result.update({"config": "configs/tiny.json", "steps": args.steps, "tick_s": args.tick,
+    result.update({"config": "configs/tiny.json", "tick_s": args.tick,
                    "files": args.files})
     traces = result.setdefault("traces", {})
     for seed in range(args.seeds):
