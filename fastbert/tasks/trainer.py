@@ -147,7 +147,8 @@ def build_finetune_engine(model: torch.nn.Module, groups: list[dict], args: Trai
     process-group set-up and ``TrainEngine``; a client AdamW so per-group LRs are kept)."""
     import deepspeed
 
-    from fastbert.training.engine import TrainEngine, build_ds_config, init_distributed, resolve_precision
+    from fastbert.training.engine import (TrainEngine, build_ds_config, deepspeed_view, init_distributed,
+                                          resolve_precision)
     from fastbert.training.optim import OptimizerSpec
 
     dist = init_distributed()
@@ -162,7 +163,8 @@ def build_finetune_engine(model: torch.nn.Module, groups: list[dict], args: Trai
                           global_batch_size=args.batch_size * dist.world_size, world_size=dist.world_size,
                           precision=precision, gradient_clipping=args.max_grad_norm, optimizer=spec,
                           device=dist.device, zero_stage=args.zero_stage, client_optimizer=True)
-    ds_engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg, dist_init_required=False)
+    ds_engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_view(cfg),
+                                              dist_init_required=False)
     return TrainEngine(ds_engine, dist, cfg, spec, precision)
 
 

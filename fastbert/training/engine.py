@@ -201,13 +201,17 @@ def build_ds_config(base, *, micro_batch_size: int, global_batch_size: int, worl
     cfg["gradient_accumulation_steps"] = global_batch_size // per_step
     cfg["train_batch_size"] = global_batch_size
     cfg["gradient_clipping"] = float(gradient_clipping)
+    cfg["fastbert_clipping"] = 0.0
     cfg.setdefault("steps_per_print", 2 ** 31 - 1)
     cfg.setdefault("wall_clock_breakdown", False)
     precision = resolve_precision(precision, device)
     fp16 = dict(cfg.get("fp16", {}))
     bf16 = dict(cfg.get("bf16", {}))
     fp16["enabled"] = precision == "fp16"
-    bf16["enabled"] = precision == "bf16"
+    # bf16 runs as torch.autocast over fp32 weights (as HF Trainer's bf16=True and the bare loop do), not
+    # DeepSpeed's bf16 wrappers: those check every gradient tensor for overflow each step (hundreds of small
+    # kernels and a device sync per parameter on ZeRO-0, benchmarks/RESULTS.md), which bf16 never needs.
+    bf16["enabled"] = False
     if precision == "fp16":
         fp16.setdefault("loss_scale", 0)          # 0 = dynamic loss scaling
         fp16.setdefault("initial_scale_power", 16)
@@ -230,9 +234,18 @@ def build_ds_config(base, *, micro_batch_size: int, global_batch_size: int, worl
             "LAMB computes a trust ratio per parameter tensor, but ZeRO stage >= 1 gives the optimizer "
             "flat partitions that cut across tensors; use optimizer adamw with ZeRO, or zero stage 0 with lamb")
     cfg["zero_optimization"] = zero
+    if zero["stage"] == 0 and precision != "fp16":
+        # ZeRO-0 without loss scaling: fastbert clips (one fused norm, no device sync) instead of
+        # DeepSpeed's per-parameter loop that reads the norm back.
+        cfg["fastbert_clipping"], cfg["gradient_clipping"] = cfg["gradient_clipping"], 0.0
     if not client_optimizer:
         cfg["optimizer"] = ds_optimizer_entry(optimizer)
     return cfg
+
+
+def deepspeed_view(cfg: dict) -> dict:
+    """The config without fastbert's own entries (what ``deepspeed.initialize`` gets)."""
+    return {k: v for k, v in cfg.items() if not k.startswith("fastbert_")}
 
 
 def _all_auto(params: dict) -> bool:
@@ -250,6 +263,9 @@ class TrainEngine:
         self.optimizer_spec = optimizer
         self.precision = precision
         self._micro = 0
+        self.autocast_dtype = torch.bfloat16 if precision == "bf16" else None
+        self.clipping = float(ds_config.get("fastbert_clipping", 0.0))
+        self._grad_norm: Optional[torch.Tensor] = None
 
     # -- forwarding ---------------------------------------------------------------------------
     @property
@@ -293,15 +309,25 @@ class TrainEngine:
         scale = getattr(opt, "cur_scale", None) or getattr(getattr(opt, "loss_scaler", None), "cur_scale", None)
         return float(scale) if scale is not None else None
 
+    def grad_norm_tensor(self) -> Optional[torch.Tensor]:
+        """The global gradient norm (before clipping) fastbert computed for the last step (ZeRO-0), on the
+        device; None when DeepSpeed clips."""
+        return self._grad_norm
+
     def grad_norm(self) -> Optional[float]:
         """Global gradient norm of the last optimizer step (before clipping), if DeepSpeed kept it."""
+        if self._grad_norm is not None:
+            return float(self._grad_norm)
         norm = self.ds.get_global_grad_norm()
         if norm is None:
             return None
         return float(norm.item() if torch.is_tensor(norm) else norm)
 
     def __call__(self, *args, **kwargs):
-        return self.ds(*args, **kwargs)
+        if self.autocast_dtype is None:
+            return self.ds(*args, **kwargs)
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+            return self.ds(*args, **kwargs)
 
     def train(self, mode: bool = True):
         self.ds.train(mode)
@@ -325,10 +351,23 @@ class TrainEngine:
     def backward(self, loss: torch.Tensor) -> None:
         self.ds.backward(loss)
 
+    def clip_gradients(self) -> Optional[torch.Tensor]:
+        """ZeRO-0: clip the (already reduced) gradients to ``gradient_clipping`` with one fused norm and
+        keep the norm on the device. Runs inside ``step`` at the accumulation boundary."""
+        if not self.clipping:
+            return None
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        self._grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clipping)  # fused (foreach) on CUDA
+        self._clipped = True
+        return self._grad_norm
+
     def step(self) -> bool:
         """Call after every micro-batch's backward; returns True when an optimizer step happened."""
         boundary = self.ds.is_gradient_accumulation_boundary()
+        if boundary and self.clipping and not getattr(self, "_clipped", False):
+            self.clip_gradients()              # unless the guard already did, to read the norm
         self.ds.step()
+        self._clipped = False
         self._micro = 0 if boundary else self._micro + 1
         return boundary
 
@@ -355,7 +394,9 @@ def build_engine(model: torch.nn.Module, ds_config=None, *, optimizer: Union[dic
     if getattr(model, "universal_checkpoint_info", None) is None:
         model.universal_checkpoint_info = {}
     groups = param_groups(model, spec.weight_decay)
-    client = build_client_optimizer(spec, groups, dist.device.type)
+    zero = load_ds_config(ds_config).get("zero_optimization", {})
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
+    client = build_client_optimizer(spec, groups, dist.device.type, offload=offload)
     cfg = build_ds_config(ds_config, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
                           world_size=dist.world_size, precision=resolved, gradient_clipping=gradient_clipping,
                           optimizer=spec, device=dist.device, zero_stage=zero_stage,
@@ -364,5 +405,5 @@ def build_engine(model: torch.nn.Module, ds_config=None, *, optimizer: Union[dic
         cfg["zero_allow_untested_optimizer"] = True
     ds_engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client,
                                               model_parameters=groups if client is None else None,
-                                              config=cfg, dist_init_required=False)
+                                              config=deepspeed_view(cfg), dist_init_required=False)
     return TrainEngine(ds_engine, dist, cfg, spec, resolved)

@@ -178,14 +178,22 @@ class SpikeGuard:
                          torch.tensor(float(self._micro), dtype=torch.float64, device=self.device)])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(t)
-        loss_sum, micros = t.tolist()
+        norm = None
+        if _wrapper_of(engine.ds.optimizer) is None:       # ZeRO-0: no DeepSpeed norm to read
+            # The reduced gradients are final here: the engine clips now (one fused norm) and the norm
+            # comes back in the same transfer as the loss (one device sync per step).
+            norm = engine.clip_gradients() if getattr(engine, "clipping", 0) else _grad_norm_tensor(engine.module)
+        if norm is not None:
+            t = torch.cat([t, norm.to(t.device, torch.float64).reshape(1)])
+        values = t.tolist()
+        loss_sum, micros = values[:2]
+        if norm is not None:
+            self._norm = values[2]
         self._loss = loss_sum / max(1.0, micros)
         if not math.isfinite(self._loss):
             self._skip_reason = "nonfinite_loss"
         elif self._spike(self._loss, self.losses, self.loss_factor):
             self._skip_reason = "loss_spike"
-        if _wrapper_of(engine.ds.optimizer) is None:       # ZeRO-0 fp32: no DeepSpeed norm to read
-            self._norm = _grad_norm_of(engine.module)
 
     def _spike(self, value: float, history: deque, factor: float) -> bool:
         return value > self.threshold(history, factor)
@@ -303,11 +311,12 @@ def _innermost(ds_optimizer) -> torch.optim.Optimizer:
     return opt
 
 
-def _grad_norm_of(module: torch.nn.Module) -> float:
+def _grad_norm_tensor(module: torch.nn.Module) -> Optional[torch.Tensor]:
+    """The global 2-norm of the ``.grad`` tensors, on the device (fused per-tensor norms)."""
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     if not grads:
-        return 0.0
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+        return None
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm([g.float() for g in grads])))
 
 
 def install(engine, guard: SpikeGuard) -> None:

@@ -2,8 +2,9 @@
 
 Choice (``OptimizerSpec.type`` = ``"adamw"`` or ``"lamb"``):
 
-* CUDA, no offload: DeepSpeed's fused kernels through the DeepSpeed config (``FusedAdam`` in AdamW
-  mode; ``FusedLamb``), or apex's ``FusedLAMB`` when apex is importable and LAMB is asked for.
+* CUDA, no offload: AdamW is ``torch.optim.AdamW(fused=True)`` handed to DeepSpeed as a client
+  optimizer (one multi-tensor kernel, no DeepSpeed op to compile on the first run); LAMB is DeepSpeed's
+  ``FusedLamb`` through the DeepSpeed config, or apex's ``FusedLAMB`` when apex is importable.
 * CUDA with ZeRO CPU offload: DeepSpeed builds ``DeepSpeedCPUAdam`` from the same config entry.
 * CPU: ``torch.optim.AdamW`` (foreach) or ``TorchLamb`` below.
 
@@ -74,12 +75,16 @@ def apex_lamb_available() -> bool:
         return False
 
 
-def build_client_optimizer(spec: OptimizerSpec, groups: list[dict], device_type: str):
-    """A torch-side optimizer instance (CPU path, or apex LAMB on CUDA); None = let DeepSpeed build it."""
+def build_client_optimizer(spec: OptimizerSpec, groups: list[dict], device_type: str, offload: bool = False):
+    """A torch-side optimizer instance; None = let DeepSpeed build it (LAMB, or CPU offload's CPUAdam)."""
     if device_type == "cuda":
         if spec.type == "lamb" and apex_lamb_available():
             from apex.optimizers import FusedLAMB
             return FusedLAMB(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
+        if spec.type in ("adamw", "adam") and not offload and not spec.extra:
+            cls = torch.optim.AdamW if spec.type == "adamw" else torch.optim.Adam
+            return cls(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay,
+                       fused=True)
         return None
     if spec.type in ("adamw", "adam"):
         cls = torch.optim.AdamW if spec.type == "adamw" else torch.optim.Adam
