@@ -208,10 +208,14 @@ def build_ds_config(base, *, micro_batch_size: int, global_batch_size: int, worl
     fp16 = dict(cfg.get("fp16", {}))
     bf16 = dict(cfg.get("bf16", {}))
     fp16["enabled"] = precision == "fp16"
-    # bf16 runs as torch.autocast over fp32 weights (as HF Trainer's bf16=True and the bare loop do), not
+    # bf16 runs as torch.autocast over fp32 weights (as HF Trainer's bf16=True and the bare loop do), through
+    # DeepSpeed's torch_autocast section (its forward would otherwise switch an outer autocast off), not
     # DeepSpeed's bf16 wrappers: those check every gradient tensor for overflow each step (hundreds of small
     # kernels and a device sync per parameter on ZeRO-0, benchmarks/RESULTS.md), which bf16 never needs.
+    # Gradients are reduced in fp32 (no module is declared safe for lower-precision communication).
     bf16["enabled"] = False
+    if precision == "bf16":
+        cfg["torch_autocast"] = {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
     if precision == "fp16":
         fp16.setdefault("loss_scale", 0)          # 0 = dynamic loss scaling
         fp16.setdefault("initial_scale_power", 16)
@@ -263,7 +267,6 @@ class TrainEngine:
         self.optimizer_spec = optimizer
         self.precision = precision
         self._micro = 0
-        self.autocast_dtype = torch.bfloat16 if precision == "bf16" else None
         self.clipping = float(ds_config.get("fastbert_clipping", 0.0))
         self._grad_norm: Optional[torch.Tensor] = None
 
@@ -324,10 +327,7 @@ class TrainEngine:
         return float(norm.item() if torch.is_tensor(norm) else norm)
 
     def __call__(self, *args, **kwargs):
-        if self.autocast_dtype is None:
-            return self.ds(*args, **kwargs)
-        with torch.autocast(self.device.type, dtype=self.autocast_dtype):
-            return self.ds(*args, **kwargs)
+        return self.ds(*args, **kwargs)
 
     def train(self, mode: bool = True):
         self.ds.train(mode)
