@@ -34,8 +34,9 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from fastbert.ops import get_ops
-from fastbert.padding import pad, unpad, unpad_mask
-from fastbert.padding_rows import Rows, attention_maps, label_positions, select_rows, union, with_padding_rows
+from fastbert.padding import pad, unpad
+from fastbert.padding_rows import (Rows, attention_maps, label_positions, pooled_position, union, unpad_rows,
+                                   with_padding_rows)
 
 _STATE = "_fastbert_patch"  # attribute on the patched BertModel: what unpatch restores
 _GELU = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh"}
@@ -336,10 +337,8 @@ def _patched_forward(self, input_ids=None, attention_mask=None, token_type_ids=N
     if need is not None and need.shape != (batch, seq):
         need = None
     if self.pooler is not None:
-        first = torch.zeros((batch, seq), dtype=torch.bool, device=ref.device)
-        first[:, 0] = True
-        need = union(need, first)
-    rows = select_rows(unpad_mask(attention_mask), attention_mask, need)
+        need = union(need, pooled_position(ref))
+    rows = unpad_rows(attention_mask, need)
     x = _embed(self.embeddings, ops, rows, input_ids, token_type_ids, position_ids, inputs_embeds)  # (T, H)
 
     hidden, maps = [x] if want_hidden else None, [] if output_attentions else None
