@@ -38,7 +38,8 @@ from fastbert.padding import pad, unpad
 from fastbert.padding_rows import (Rows, attention_maps, label_positions, pooled_position, union, unpad_rows,
                                    with_padding_rows)
 
-_STATE = "_fastbert_patch"  # attribute on the patched BertModel: what unpatch restores
+_STATE = "_fastbert_patch"  # attribute on the patched BertModel: kernels and what unpatch restores
+_HEAD_STATE = "_fastbert_patch_head"  # attribute on a patched BertFor* head: what unpatch restores
 _GELU = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh"}
 _KERNELS = (None, "torch", "triton")
 
@@ -53,7 +54,8 @@ def patch(model, kernels: Optional[str] = None):
 
     ``kernels``: ``"triton"`` (fused, CUDA), ``"torch"`` (reference ops, any device) or ``None``
     (default): ``"triton"`` for CUDA inputs, ``"torch"`` otherwise, decided at each call.
-    Returns ``model``. Patching a patched model only changes ``kernels``.
+    Returns ``model``. Patching a patched model only changes ``kernels``. Patch the model you call
+    (the head): its forward tells the encoder which masked positions its loss reads.
     """
     if kernels not in _KERNELS:
         raise ValueError(f"kernels={kernels!r}: use 'triton', 'torch' or None (triton on CUDA, torch otherwise)")
@@ -63,44 +65,65 @@ def patch(model, kernels: Optional[str] = None):
         get_ops(kernels)  # fail now, not at the first batch, if triton is missing
     state = getattr(bert, _STATE, None)
     if state is None:
-        state = {"saved": [_replace_forward(bert, types.MethodType(_patched_forward, bert))]}
-        if model is not bert:
-            state["saved"].append(_replace_forward(model, _head_forward(model, bert)))
+        state = _replace_forward(bert, _patched_forward)
         setattr(bert, _STATE, state)
+    if model is not bert and getattr(model, _HEAD_STATE, None) is None:
+        setattr(model, _HEAD_STATE, _replace_forward(model, _head_forward(type(model))))
     state["kernels"] = kernels
     return model
 
 
-def _replace_forward(module, new):
-    """Put ``new`` as ``module``'s forward (on the instance); returns what ``unpatch`` restores."""
-    saved = (module, "forward" in module.__dict__, module.__dict__.get("forward"))
-    module.forward = new
+def unpatch(model):
+    """Restore HF's forward exactly as it was before ``patch``; returns ``model``."""
+    bert = _find_bert(model)
+    for module, name in ((model, _HEAD_STATE), (bert, _STATE)):
+        saved = getattr(module, name, None)
+        if saved is not None:
+            if saved["had_own_forward"]:
+                module.forward = saved["forward"]
+            else:
+                del module.forward
+            delattr(module, name)
+    return model
+
+
+def is_patched(model) -> bool:
+    return getattr(_find_bert(model), _STATE, None) is not None
+
+
+def _replace_forward(module, function):
+    """Bind ``function`` as ``module``'s forward (a bound method on the instance, so ``copy.deepcopy``
+    rebinds it to the copy); returns what ``unpatch`` restores."""
+    saved = {"had_own_forward": "forward" in module.__dict__, "forward": module.__dict__.get("forward")}
+    module.forward = types.MethodType(function, module)
     return saved
 
 
+# ---------------------------------------------------------------------------------- heads
 # The positions a head's loss reads, handed from the head's forward to the patched BertModel's
 # forward during one call: {id(bert): (batch, seq) bool}, per thread.
 _PENDING = threading.local()
 
 
-def _head_forward(model, bert):
-    """``model.forward`` (the HF head) wrapped: the positions its loss reads go to ``bert``'s forward.
-    The wrapper keeps the head's signature (HF Trainer reads it to pick the input columns)."""
-    original = model.forward
-    signature = inspect.signature(original)
-    reads = _loss_positions_reader(model)
+def _head_forward(cls):
+    """The forward of a patched HF head of class ``cls``: HF's own, after handing the positions its
+    loss reads to the patched encoder. It carries ``cls.forward``'s signature (HF Trainer reads it to
+    pick the input columns)."""
 
-    @functools.wraps(original)
-    def forward(*args, **kwargs):
+    @functools.wraps(cls.forward)
+    def forward(self, *args, **kwargs):
+        saved = getattr(self, _HEAD_STATE)
+        original = saved["forward"] if saved["had_own_forward"] else types.MethodType(cls.forward, self)
         try:
-            given = signature.bind_partial(*args, **kwargs).arguments
+            given = inspect.signature(original).bind_partial(*args, **kwargs).arguments
         except TypeError:
             return original(*args, **kwargs)  # HF's own error
+        reads = _loss_positions_reader(self)
         need = reads(given) if reads is not None else None
         if need is None:
             return original(*args, **kwargs)
         pending = getattr(_PENDING, "needs", {})
-        _PENDING.needs = {**pending, id(bert): need}
+        _PENDING.needs = {**pending, id(_find_bert(self)): need}
         try:
             return original(*args, **kwargs)
         finally:
@@ -137,25 +160,6 @@ def _loss_positions_reader(model):
             return need
         return reads
     return None
-
-
-def unpatch(model):
-    """Restore HF's forward exactly as it was before ``patch``; returns ``model``."""
-    bert = _find_bert(model)
-    state = getattr(bert, _STATE, None)
-    if state is None:
-        return model
-    for module, had_own, forward in state["saved"]:
-        if had_own:
-            module.forward = forward
-        else:
-            del module.forward
-    delattr(bert, _STATE)
-    return model
-
-
-def is_patched(model) -> bool:
-    return getattr(_find_bert(model), _STATE, None) is not None
 
 
 # ---------------------------------------------------------------------------------- checks

@@ -8,6 +8,7 @@ values by 1e-2 or more. Outputs are compared on real tokens: at padding position
 values that no loss uses, the patched model returns 0. (Masks other than right padding and labels on
 padding: tests/model/test_hf_modeling_port.py.)
 """
+import copy
 import inspect
 import sys
 
@@ -111,6 +112,24 @@ def test_unpatch_restores_original_forward():
     assert model.bert.forward.__func__ is type(model.bert).forward
     torch.testing.assert_close(model(**batch).prediction_logits, before, rtol=0, atol=0)
     fp.unpatch(model)  # unpatching twice is a no-op
+
+
+def test_deepcopy_of_a_patched_model_runs_on_its_own_weights():
+    """copy.deepcopy (EMA copies, model soups) gives a patched copy whose forwards are bound to the
+    copy: its loss is HF's for the copy's weights, not the original's."""
+    model, batch = make_model(BertForPreTraining).eval(), make_batch()
+    labels = torch.where(batch["attention_mask"].bool(), batch["input_ids"], -100)
+    twin = copy.deepcopy(fp.patch(model, kernels="torch"))
+    with torch.no_grad():
+        twin.bert.embeddings.word_embeddings.weight.mul_(1.5)
+        twin.cls.predictions.transform.dense.bias.add_(0.5)
+    got = twin(**batch, labels=labels, next_sentence_label=torch.tensor([0, 1, 0], device=DEVICE)).loss
+    want = fp.unpatch(copy.deepcopy(twin))(**batch, labels=labels,
+                                          next_sentence_label=torch.tensor([0, 1, 0], device=DEVICE)).loss
+    torch.testing.assert_close(got, want, **TOL)
+    assert fp.is_patched(twin) and fp.is_patched(model)
+    assert not torch.allclose(got, model(**batch, labels=labels, next_sentence_label=torch.tensor([0, 1, 0],
+                                                                                                   device=DEVICE)).loss)
 
 
 def test_default_kernels_follow_the_input_device(monkeypatch):
