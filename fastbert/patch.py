@@ -35,7 +35,7 @@ import torch.utils.checkpoint
 
 from fastbert.ops import get_ops
 from fastbert.padding import pad, unpad
-from fastbert.padding_rows import (Rows, attention_maps, label_positions, pooled_position, union, unpad_rows,
+from fastbert.padding_rows import (Rows, attention_maps_or_packed, label_positions, pooled_position, union, unpad_rows,
                                    with_padding_rows)
 
 _STATE = "_fastbert_patch"  # attribute on the patched BertModel: kernels and what unpatch restores
@@ -278,9 +278,7 @@ def _layer(layer, ops, x, rows: Rows, hidden_act, output_attentions):
         return ops.attention(q, k, v, real.cu_seqlens, real.max_seqlen, dropout_p=p_attn, softmax_scale=scale,
                              seed=_new_seed() if p_attn > 0 else None)
     ctx = with_padding_rows(real_attention, qkv, rows, scale, p_attn)     # (T, nh, hd)
-    probs = None
-    if output_attentions:
-        probs = attention_maps(qkv[:, 0], qkv[:tokens - rows.num_extra, 1], rows, scale)
+    probs = attention_maps_or_packed(qkv, rows, real.cu_seqlens, real.max_seqlen, scale) if output_attentions else None
     h = F.linear(ctx.reshape(tokens, nh * hd), so.dense.weight)            # bias goes into the LN op
     p = _p(so.dropout)
     x = ops.dropout_add_layer_norm(h, x, so.LayerNorm.weight, so.LayerNorm.bias, so.LayerNorm.eps,
