@@ -14,10 +14,10 @@ import torch.nn.functional as F
 
 from fastbert.config import BertConfig
 from fastbert.model import (BertModel, BertPreTrainedModel, InputError, ModelOutput, _reject_unsupported,
-                            first_position, gelu_approx, padded_hidden_states)
+                            gelu_approx, padded_hidden_states)
 from fastbert.ops.mlm_loss import mlm_transform_ref
 from fastbert.padding import pad
-from fastbert.padding_rows import at_position, label_positions, union
+from fastbert.padding_rows import at_position, label_positions, pooled_position, union
 
 
 def token_label_positions(labels, input_ids):
@@ -141,7 +141,7 @@ class BertForPreTraining(_MLMModel):
         _reject_unsupported(unused)
         if packed is not None:
             return self._forward_packed(packed, return_dict)
-        need = union(first_position(input_ids), token_label_positions(labels, input_ids))
+        need = union(pooled_position(input_ids), token_label_positions(labels, input_ids))
         x, rows, hidden, attn = self.bert.run(input_ids, attention_mask, token_type_ids, position_ids,
                                               output_attentions, output_hidden_states, need)
         nsp_logits = self.cls.seq_relationship(self.bert.pooler(at_position(x, rows, 0)))  # (B, 2)

@@ -167,13 +167,13 @@ def load_converted(model, hf_state: dict[str, torch.Tensor]) -> None:
 
 
 def _check_tied(hf_state: dict[str, torch.Tensor]) -> None:
-    """A checkpoint may store the tied decoder (older HF and fastbert did) or not (HF, fastbert now);
-    if it does, it must equal what fastbert ties it to."""
-    for key, source in _TIED.items():
-        if key in hf_state and source in hf_state and not torch.equal(hf_state[key], hf_state[source]):
-            raise CheckpointError(f"{key} differs from {source}: this checkpoint has an untied MLM decoder; "
-                                  "fastbert ties the decoder to the word embeddings and its bias to "
-                                  "cls.predictions.bias, as BERT does")
+    """A checkpoint may store the tied decoder weight (older HF and fastbert did) or not (HF, fastbert
+    now); if it does, it must be the word embeddings, which fastbert ties it to."""
+    key, source = "cls.predictions.decoder.weight", _TIED["cls.predictions.decoder.weight"]
+    if key in hf_state and source in hf_state and not torch.equal(hf_state[key], hf_state[source]):
+        raise CheckpointError(f"{key} differs from {source}: this checkpoint has an untied MLM decoder "
+                              "(tie_word_embeddings=false); fastbert ties the decoder to the word embeddings, "
+                              "as BERT does")
 
 
 # ---------------------------------------------------------------------------------- writing

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from fastbert.config import BertConfig
 from fastbert.ops import get_ops
 from fastbert.padding import pad, unpad_mask
-from fastbert.padding_rows import Rows, attention_maps_or_packed, padding_need_counts, select_rows, with_padding_rows
+from fastbert.padding_rows import (Rows, attention_maps_or_packed, padding_need_counts, pooled_position, select_rows,
+                                   with_padding_rows)
 
 _GELU_APPROX = {"gelu": "none", "gelu_tanh": "tanh"}
 
@@ -359,7 +360,7 @@ class BertModel(BertPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 output_attentions=False, output_hidden_states=False, return_dict=True, **unused):
         _reject_unsupported(unused)
-        need = first_position(input_ids) if self.pooler is not None else None  # HF pools position 0, masked or not
+        need = pooled_position(input_ids) if self.pooler is not None else None  # HF pools position 0, masked or not
         x, rows, hidden, attn = self.run(input_ids, attention_mask, token_type_ids, position_ids,
                                          output_attentions, output_hidden_states, need)
         seq = pad(x, rows.placed)  # (B, S, H)
@@ -367,15 +368,6 @@ class BertModel(BertPreTrainedModel):
                           pooler_output=self.pooler(seq[:, 0]) if self.pooler is not None else None,
                           hidden_states=padded_hidden_states(hidden, rows), attentions=attn)
         return out if return_dict else out.to_tuple()
-
-
-def first_position(input_ids: torch.Tensor | None) -> torch.Tensor | None:
-    """``(batch, seq)`` bool, True at position 0: what a pooler reads."""
-    if input_ids is None or input_ids.dim() != 2:
-        return None
-    need = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
-    need[:, 0] = True
-    return need
 
 
 def padded_hidden_states(hidden, rows: Rows):

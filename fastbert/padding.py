@@ -2,7 +2,9 @@
 
 The encoder unpads once on entry: ``indices`` are the flat positions of real tokens in the
 ``(batch * seq)`` grid, ``cu_seqlens`` (int32, ``(batch + 1,)``) the prefix sum of the lengths.
-Sequences are assumed left-aligned (real tokens first), as every BERT tokenizer produces.
+Any 0/1 mask works (right or left padding, holes): a sequence's tokens are its real positions in
+order, and callers take position ids from the padded row, as HF does (``fastbert.padding_rows``
+adds the masked positions a result reads).
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from fastbert.ops.attention import attention_probs_ref
-from fastbert.padding import Unpadded, pad
+from fastbert.padding import Unpadded, pad, unpad_mask
 
 
 class Rows(NamedTuple):
@@ -75,6 +75,18 @@ def select_rows(info: Unpadded, attention_mask: torch.Tensor, need: torch.Tensor
     starts = torch.cumsum(counts, 0) - counts
     slot = torch.arange(extra.numel(), device=extra.device) - starts[batch]
     return Rows(info, extra, batch, slot, int(max_extra))
+
+
+def unpad_rows(attention_mask: torch.Tensor, need: torch.Tensor | None) -> Rows:
+    """:func:`select_rows` from a mask alone, the longest length and the padding-row count fetched
+    from the device in one transfer."""
+    info = unpad_mask(attention_mask, max_seqlen=0)
+    if not attention_mask.numel():
+        return select_rows(info, attention_mask, None)
+    counts = padding_need_counts(attention_mask, need)
+    longest = info.cu_seqlens.diff().max().long()
+    longest, max_extra = torch.stack([longest, counts.max().long() if counts is not None else longest * 0]).tolist()
+    return select_rows(info._replace(max_seqlen=int(longest)), attention_mask, need, max_extra=int(max_extra))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows, softmax_scale: float,
@@ -148,6 +160,16 @@ def at_position(x: torch.Tensor, rows: Rows, position: int = 0) -> torch.Tensor:
     pick = where.view(placed.batch, placed.seqlen)[:, position]       # (B,), x.shape[0] = none
     padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
     return padded.index_select(0, pick)
+
+
+def pooled_position(ids: torch.Tensor | None) -> torch.Tensor | None:
+    """``(batch, seq)`` bool, True at position 0 (what HF's pooler reads) for ``(batch, seq, ...)`` ids
+    or embeddings, or None."""
+    if ids is None or ids.dim() < 2:
+        return None
+    need = torch.zeros(ids.shape[:2], dtype=torch.bool, device=ids.device)
+    need[:, 0] = True
+    return need
 
 
 def label_positions(labels: torch.Tensor | None, ignore_index: int = -100) -> torch.Tensor | None:

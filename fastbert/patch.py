@@ -34,10 +34,12 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from fastbert.ops import get_ops
-from fastbert.padding import pad, unpad, unpad_mask
-from fastbert.padding_rows import Rows, attention_maps, label_positions, select_rows, union, with_padding_rows
+from fastbert.padding import pad, unpad
+from fastbert.padding_rows import (Rows, attention_maps_or_packed, label_positions, pooled_position, union, unpad_rows,
+                                   with_padding_rows)
 
-_STATE = "_fastbert_patch"  # attribute on the patched BertModel: what unpatch restores
+_STATE = "_fastbert_patch"  # attribute on the patched BertModel: kernels and what unpatch restores
+_HEAD_STATE = "_fastbert_patch_head"  # attribute on a patched BertFor* head: what unpatch restores
 _GELU = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh"}
 _KERNELS = (None, "torch", "triton")
 
@@ -52,7 +54,8 @@ def patch(model, kernels: Optional[str] = None):
 
     ``kernels``: ``"triton"`` (fused, CUDA), ``"torch"`` (reference ops, any device) or ``None``
     (default): ``"triton"`` for CUDA inputs, ``"torch"`` otherwise, decided at each call.
-    Returns ``model``. Patching a patched model only changes ``kernels``.
+    Returns ``model``. Patching a patched model only changes ``kernels``. Patch the model you call
+    (the head): its forward tells the encoder which masked positions its loss reads.
     """
     if kernels not in _KERNELS:
         raise ValueError(f"kernels={kernels!r}: use 'triton', 'torch' or None (triton on CUDA, torch otherwise)")
@@ -62,44 +65,65 @@ def patch(model, kernels: Optional[str] = None):
         get_ops(kernels)  # fail now, not at the first batch, if triton is missing
     state = getattr(bert, _STATE, None)
     if state is None:
-        state = {"saved": [_replace_forward(bert, types.MethodType(_patched_forward, bert))]}
-        if model is not bert:
-            state["saved"].append(_replace_forward(model, _head_forward(model, bert)))
+        state = _replace_forward(bert, _patched_forward)
         setattr(bert, _STATE, state)
+    if model is not bert and getattr(model, _HEAD_STATE, None) is None:
+        setattr(model, _HEAD_STATE, _replace_forward(model, _head_forward(type(model))))
     state["kernels"] = kernels
     return model
 
 
-def _replace_forward(module, new):
-    """Put ``new`` as ``module``'s forward (on the instance); returns what ``unpatch`` restores."""
-    saved = (module, "forward" in module.__dict__, module.__dict__.get("forward"))
-    module.forward = new
+def unpatch(model):
+    """Restore HF's forward exactly as it was before ``patch``; returns ``model``."""
+    bert = _find_bert(model)
+    for module, name in ((model, _HEAD_STATE), (bert, _STATE)):
+        saved = getattr(module, name, None)
+        if saved is not None:
+            if saved["had_own_forward"]:
+                module.forward = saved["forward"]
+            else:
+                del module.forward
+            delattr(module, name)
+    return model
+
+
+def is_patched(model) -> bool:
+    return getattr(_find_bert(model), _STATE, None) is not None
+
+
+def _replace_forward(module, function):
+    """Bind ``function`` as ``module``'s forward (a bound method on the instance, so ``copy.deepcopy``
+    rebinds it to the copy); returns what ``unpatch`` restores."""
+    saved = {"had_own_forward": "forward" in module.__dict__, "forward": module.__dict__.get("forward")}
+    module.forward = types.MethodType(function, module)
     return saved
 
 
+# ---------------------------------------------------------------------------------- heads
 # The positions a head's loss reads, handed from the head's forward to the patched BertModel's
 # forward during one call: {id(bert): (batch, seq) bool}, per thread.
 _PENDING = threading.local()
 
 
-def _head_forward(model, bert):
-    """``model.forward`` (the HF head) wrapped: the positions its loss reads go to ``bert``'s forward.
-    The wrapper keeps the head's signature (HF Trainer reads it to pick the input columns)."""
-    original = model.forward
-    signature = inspect.signature(original)
-    reads = _loss_positions_reader(model)
+def _head_forward(cls):
+    """The forward of a patched HF head of class ``cls``: HF's own, after handing the positions its
+    loss reads to the patched encoder. It carries ``cls.forward``'s signature (HF Trainer reads it to
+    pick the input columns)."""
 
-    @functools.wraps(original)
-    def forward(*args, **kwargs):
+    @functools.wraps(cls.forward)
+    def forward(self, *args, **kwargs):
+        saved = getattr(self, _HEAD_STATE)
+        original = saved["forward"] if saved["had_own_forward"] else types.MethodType(cls.forward, self)
         try:
-            given = signature.bind_partial(*args, **kwargs).arguments
+            given = inspect.signature(original).bind_partial(*args, **kwargs).arguments
         except TypeError:
             return original(*args, **kwargs)  # HF's own error
+        reads = _loss_positions_reader(self)
         need = reads(given) if reads is not None else None
         if need is None:
             return original(*args, **kwargs)
         pending = getattr(_PENDING, "needs", {})
-        _PENDING.needs = {**pending, id(bert): need}
+        _PENDING.needs = {**pending, id(_find_bert(self)): need}
         try:
             return original(*args, **kwargs)
         finally:
@@ -136,25 +160,6 @@ def _loss_positions_reader(model):
             return need
         return reads
     return None
-
-
-def unpatch(model):
-    """Restore HF's forward exactly as it was before ``patch``; returns ``model``."""
-    bert = _find_bert(model)
-    state = getattr(bert, _STATE, None)
-    if state is None:
-        return model
-    for module, had_own, forward in state["saved"]:
-        if had_own:
-            module.forward = forward
-        else:
-            del module.forward
-    delattr(bert, _STATE)
-    return model
-
-
-def is_patched(model) -> bool:
-    return getattr(_find_bert(model), _STATE, None) is not None
 
 
 # ---------------------------------------------------------------------------------- checks
@@ -273,9 +278,7 @@ def _layer(layer, ops, x, rows: Rows, hidden_act, output_attentions):
         return ops.attention(q, k, v, real.cu_seqlens, real.max_seqlen, dropout_p=p_attn, softmax_scale=scale,
                              seed=_new_seed() if p_attn > 0 else None)
     ctx = with_padding_rows(real_attention, qkv, rows, scale, p_attn)     # (T, nh, hd)
-    probs = None
-    if output_attentions:
-        probs = attention_maps(qkv[:, 0], qkv[:tokens - rows.num_extra, 1], rows, scale)
+    probs = attention_maps_or_packed(qkv, rows, real.cu_seqlens, real.max_seqlen, scale) if output_attentions else None
     h = F.linear(ctx.reshape(tokens, nh * hd), so.dense.weight)            # bias goes into the LN op
     p = _p(so.dropout)
     x = ops.dropout_add_layer_norm(h, x, so.LayerNorm.weight, so.LayerNorm.bias, so.LayerNorm.eps,
@@ -336,10 +339,8 @@ def _patched_forward(self, input_ids=None, attention_mask=None, token_type_ids=N
     if need is not None and need.shape != (batch, seq):
         need = None
     if self.pooler is not None:
-        first = torch.zeros((batch, seq), dtype=torch.bool, device=ref.device)
-        first[:, 0] = True
-        need = union(need, first)
-    rows = select_rows(unpad_mask(attention_mask), attention_mask, need)
+        need = union(need, pooled_position(ref))
+    rows = unpad_rows(attention_mask, need)
     x = _embed(self.embeddings, ops, rows, input_ids, token_type_ids, position_ids, inputs_embeds)  # (T, H)
 
     hidden, maps = [x] if want_hidden else None, [] if output_attentions else None

@@ -5,8 +5,11 @@ online softmax, LayerNorm with fused residual, padding removed), so results diff
 only: ~1e-7 observed on these O(1) activations after two layers. atol 1e-5 / rtol 1e-4 leaves a
 wide margin over that while any real error (a wrong mask, bias, scale or position id) moves
 values by 1e-2 or more. Outputs are compared on real tokens: at padding positions HF computes
-values that no loss uses, the patched model returns 0.
+values that no loss uses, the patched model returns 0. (Masks other than right padding and labels on
+padding: tests/model/test_hf_modeling_port.py.)
 """
+import copy
+import inspect
 import sys
 
 import pytest
@@ -97,15 +100,36 @@ def test_unpatch_restores_original_forward():
     model, batch = make_model(BertForPreTraining), make_batch()
     model.eval()
     before = model(**batch).prediction_logits
+    signature = inspect.signature(model.forward)
     assert fp.patch(model) is model and fp.is_patched(model)
-    assert "forward" in model.bert.__dict__
+    assert "forward" in model.bert.__dict__ and "forward" in model.__dict__  # the head passes its labels on
+    assert inspect.signature(model.forward) == signature  # HF Trainer picks input columns from it
     patched = model(**batch).prediction_logits
     assert not torch.equal(patched, before)  # padding positions differ: the patched path really ran
     assert fp.unpatch(model) is model and not fp.is_patched(model)
     assert "forward" not in model.bert.__dict__ and not hasattr(model.bert, fp._STATE)
+    assert "forward" not in model.__dict__
     assert model.bert.forward.__func__ is type(model.bert).forward
     torch.testing.assert_close(model(**batch).prediction_logits, before, rtol=0, atol=0)
     fp.unpatch(model)  # unpatching twice is a no-op
+
+
+def test_deepcopy_of_a_patched_model_runs_on_its_own_weights():
+    """copy.deepcopy (EMA copies, model soups) gives a patched copy whose forwards are bound to the
+    copy: its loss is HF's for the copy's weights, not the original's."""
+    model, batch = make_model(BertForPreTraining).eval(), make_batch()
+    labels = torch.where(batch["attention_mask"].bool(), batch["input_ids"], -100)
+    twin = copy.deepcopy(fp.patch(model, kernels="torch"))
+    with torch.no_grad():
+        twin.bert.embeddings.word_embeddings.weight.mul_(1.5)
+        twin.cls.predictions.transform.dense.bias.add_(0.5)
+    got = twin(**batch, labels=labels, next_sentence_label=torch.tensor([0, 1, 0], device=DEVICE)).loss
+    want = fp.unpatch(copy.deepcopy(twin))(**batch, labels=labels,
+                                          next_sentence_label=torch.tensor([0, 1, 0], device=DEVICE)).loss
+    torch.testing.assert_close(got, want, **TOL)
+    assert fp.is_patched(twin) and fp.is_patched(model)
+    assert not torch.allclose(got, model(**batch, labels=labels, next_sentence_label=torch.tensor([0, 1, 0],
+                                                                                                   device=DEVICE)).loss)
 
 
 def test_default_kernels_follow_the_input_device(monkeypatch):

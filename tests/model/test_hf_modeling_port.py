@@ -17,8 +17,13 @@ attention-map rows at masked positions that nothing reads are 0 in fastbert (REA
 loss sees"); every position a result reads (real tokens, position 0 for a pooler, labelled positions,
 every position for a question-answering loss) is compared with HF's.
 
-Not ported (fastbert refuses them with a clear error, tested at the end): decoder / cross-attention /
-``past_key_values`` cases and relative position embeddings (``test_model_various_embeddings``).
+Not ported: the decoder / cross-attention / ``past_key_values`` cases and relative position
+embeddings (``test_model_various_embeddings``), which fastbert refuses with a clear error (tested at
+the end); from ``ModelTesterMixin``, head masking and ``inputs_embeds`` on fastbert's classes
+(refused with ``InputError``; the patch takes ``inputs_embeds``, tests/test_patch.py), token-embedding
+resizing, TorchScript / FX tracing, ``retain_grad`` on returned hidden states (README: they are
+copies beside the computation), and the warning for pad ids without an ``attention_mask`` (fastbert
+attends to every position then, as HF does, without the warning).
 """
 from __future__ import annotations
 
@@ -427,3 +432,21 @@ def test_decoder_configs_are_refused():
     torch.manual_seed(0)
     with pytest.raises(UnsupportedModelError, match="decoder"):
         fastbert.patch(transformers.BertLMHeadModel(hf_config(is_decoder=True)))
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_row_without_any_token_is_the_one_documented_difference(way):
+    """A row whose mask is all 0 has nothing to attend to: fastbert gives its position 0 a zero
+    attention context (HF's eager and SDPA attention disagree there). The result is finite and the
+    other rows are HF's."""
+    hf, twin = models(transformers.BertForSequenceClassification, fastbert.BertForSequenceClassification, way,
+                      num_labels=TESTER["num_labels"])
+    d = prepare_config_and_inputs("last")
+    mask = d["attention_mask"].clone()
+    mask[2] = 0
+    inputs = dict(input_ids=d["input_ids"], attention_mask=mask, token_type_ids=d["token_type_ids"])
+    with torch.no_grad():
+        got, want = twin(**inputs).logits, hf(**inputs).logits
+    assert torch.isfinite(got).all()
+    others = torch.arange(TESTER["batch_size"]) != 2
+    assert_close("logits", got[others], want[others])
