@@ -1,6 +1,8 @@
-"""Where a `fastbert pretrain` step goes: the real command's loop, in-process, under torch.profiler.
+"""Where a `fastbert pretrain` (or `fastbert finetune`) step goes: the real command's loop, in-process,
+under torch.profiler.
 
     python3 benchmarks/profile_pretrain.py --data DIR --out OUT [KEY=VALUE ...]
+    python3 benchmarks/profile_pretrain.py --finetune --glue GLUE --vocab VOCAB_DIR --out OUT
 
 Runs the same configuration as ``benchmarks/real_paths.py`` (BERT-base, seq 128, micro batch 128,
 bf16), profiles ``--active`` optimizer steps after ``--skip`` steps, and prints the step's wall time,
@@ -21,7 +23,11 @@ sys.path.insert(0, str(REPO))
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--data", required=True)
+    p.add_argument("--data", help="prepared NSP data, seq 128 (pretrain)")
+    p.add_argument("--finetune", action="store_true",
+                   help="profile `fastbert finetune --task sst2` (random-init BERT-base, batch 32, bf16) instead")
+    p.add_argument("--glue", help="GLUE root with SST-2 (--finetune)")
+    p.add_argument("--vocab", help="folder with the bert-base-uncased vocab.txt (--finetune)")
     p.add_argument("--out", required=True)
     p.add_argument("--skip", type=int, default=15)
     p.add_argument("--active", type=int, default=5)
@@ -37,7 +43,7 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     steps = args.skip + args.active + 2
-    cfg = load_config(REPO / "configs/base.json", [
+    cfg = None if args.finetune else load_config(REPO / "configs/base.json", [
         f"output_dir={out / 'run'}", f"data.dir={args.data}", "data.auto_prepare=false", "train.deepspeed=null",
         "train.precision=bf16", f"train.max_steps={steps}", "train.micro_batch_size=128",
         "train.global_batch_size=128", "log.every_steps=5", "eval.every_steps=null", "eval.at_end=false",
@@ -62,7 +68,16 @@ def main():
         return boundary
 
     engine_mod.TrainEngine.step = step
-    run_pretraining(cfg)
+    if args.finetune:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        from real_paths import make_random_checkpoint
+        from fastbert.cli import main as cli_main
+        ckpt = make_random_checkpoint(Path(args.vocab), out / "ckpt")
+        cli_main(["finetune", "--task", "sst2", "--data", str(Path(args.glue) / "SST-2"), "--model", str(ckpt),
+                  "--output", str(out / "ft"), "--epochs", "1", "--batch-size", "32", "--precision", "bf16",
+                  "--kernels", "triton", "--max-train-samples", str(32 * (steps + 5))])
+    else:
+        run_pretraining(cfg)
     ka = prof.key_averages()
     per = 1.0 / args.active
     gpu_us = sum(e.self_device_time_total for e in ka if e.device_type == torch.autograd.DeviceType.CUDA)

@@ -7,9 +7,14 @@ mask instead of storing it, and ``dropout_mask`` reproduces it on the host for t
 """
 import os
 
-import torch
-import triton
-import triton.language as tl
+# Tuning paid once: Triton stores each autotuned kernel's choice on disk, keyed by the card and the
+# shape bucket, so a second run (and every later step) never tunes again. TRITON_CACHE_AUTOTUNING=0
+# turns it off. Set before any @triton.autotune below is defined (they read it then).
+os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 # Triton reads TRITON_INTERPRET when a kernel is defined; tests/conftest.py sets it before import.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
