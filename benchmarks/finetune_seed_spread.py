@@ -41,7 +41,7 @@ def make_regression_set(glue: Path, out: Path, n_train: int, n_dev: int) -> Path
     folder = out / "STS-B"
     folder.mkdir(parents=True, exist_ok=True)
     for split, n in (("train", n_train), ("dev", n_dev)):
-        examples = read_examples(task, glue / "MRPC" / f"{split}.tsv", n)
+        examples = read_examples(task, glue / "MRPC" / f"{split}.tsv", n or None)
         lines = ["index\tsentence1\tsentence2\tscore"]
         lines += [f"{i}\t{e.text_a}\t{e.text_b}\t{5.0 * e.label:.1f}" for i, e in enumerate(examples)]
         (folder / f"{split}.tsv").write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -67,8 +67,9 @@ def pearson_spearman(pred, gold) -> dict:
 def run_fastbert(data: Path, model: str, seed: int, args, out: Path) -> dict:
     cmd = [sys.executable, "-m", "fastbert.cli", "finetune", "--task", "stsb", "--data", str(data), "--model", model,
            "--output", str(out), "--lr", str(args.lr), "--epochs", str(args.epochs), "--batch-size",
-           str(args.batch_size), "--seed", str(seed), "--no-save-model"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+           str(args.batch_size), "--seed", str(seed), "--no-save-model", *args.fastbert_args.split()]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     env.pop("TRITON_INTERPRET", None)
     t0 = time.perf_counter()
     res = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -89,7 +90,10 @@ def run_hf(data: Path, model_dir: str, seed: int, args) -> dict:
     t0 = time.perf_counter()
     set_seed(seed)
     tok = BertTokenizerFast.from_pretrained(model_dir)
-    model = BertForSequenceClassification.from_pretrained(model_dir, num_labels=1)
+    dev_name = args.device
+    model = BertForSequenceClassification.from_pretrained(model_dir, num_labels=1, torch_dtype=torch.float32).to(dev_name)
+    # On a GPU both systems run bf16 autocast over fp32 weights (fastbert's default there, HF Trainer's bf16=True).
+    amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev_name == "cuda")
 
     def load(split):
         rows = [line.split("\t") for line in (data / f"{split}.tsv").read_text(encoding="utf-8").splitlines()[1:]]
@@ -115,7 +119,8 @@ def run_hf(data: Path, model_dir: str, seed: int, args) -> dict:
         for batch in loader:
             if step >= total:
                 break
-            loss = model(**batch).loss
+            with amp:
+                loss = model(**{k: v.to(dev_name) for k, v in batch.items()}).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
@@ -127,7 +132,8 @@ def run_hf(data: Path, model_dir: str, seed: int, args) -> dict:
     with torch.no_grad():
         for start in range(0, len(dev), 64):
             batch = collate([{k: v for k, v in r.items() if k != "labels"} for r in dev[start:start + 64]])
-            preds += model(**batch).logits[:, 0].tolist()
+            with amp:
+                preds += model(**{k: v.to(dev_name) for k, v in batch.items()}).logits[:, 0].float().tolist()
     return {**pearson_spearman(preds, [r["labels"] for r in dev]), "wall_s": time.perf_counter() - t0,
             "steps": step}
 
@@ -151,7 +157,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="runs/seed-spread")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--systems", default="fastbert,hf")
-    p.add_argument("--train", type=int, default=640, help="MRPC training pairs (default 640)")
+    p.add_argument("--train", type=int, default=640, help="MRPC training pairs (default 640; 0 = all 3,668)")
+    p.add_argument("--fastbert-args", default="", help="extra `fastbert finetune` flags, e.g. '--kernels torch'")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the HF loop runs (fastbert finetune picks the GPU itself when there is one)")
     p.add_argument("--dev", type=int, default=408, help="MRPC dev pairs (default 408 = all)")
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--epochs", type=float, default=3.0)

@@ -83,7 +83,7 @@ def test_quickstart_in_a_fresh_clone(tmp_path, data_dir):
     assert "[install] up to date" in out and "[install] creating" not in out
     assert f"resuming from step {stopped} " in out
     assert any(line.startswith(f"final: step {stopped + 4} ") for line in res.stdout.splitlines())
-    assert "expected: MLM accuracy" in res.stdout and "fill-mask on sentences it never saw" in res.stdout
+    assert "\nexpected: " in res.stdout and "fill-mask on sentences it never saw" in res.stdout  # a range, or why none
     run_dir = clone / "runs" / "tiny"
     assert (run_dir / "loss_curve.png").is_file() and (run_dir / "hf" / "model.safetensors").is_file()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

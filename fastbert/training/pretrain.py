@@ -93,18 +93,35 @@ def build_model(cfg: dict, index: dict, device: torch.device):
     raise ValueError(f"model.head={head!r} is not known; use auto, pretraining or masked_lm")
 
 
-def resolve_zero_stage(stage, ds_config: dict, world_size: int):
-    """``train.zero_stage``: a number, None (the DeepSpeed JSON's stage) or "auto": ZeRO-0 on one rank,
-    where ZeRO-1/2 only add per-step work (H100, BERT-base: ZeRO-0 1,843 seq/s, ZeRO-1 1,569, ZeRO-2
-    1,477), unless the JSON offloads or asks for ZeRO-3 (choices for memory); several ranks: the JSON's."""
+def resolve_zero_stage(stage, ds_config: dict, world_size: int, saved="fresh"):
+    """``train.zero_stage``: a number, None (the DeepSpeed JSON's stage) or "auto". ``saved``: the stage
+    the checkpoint being resumed was written with ("fresh": no checkpoint; None: not recorded).
+
+    "auto" keeps a resumed run on its checkpoint's stage (the optimizer state's layout); a fresh run on
+    one rank gets ZeRO-0, where ZeRO-1/2 only add per-step work (H100, BERT-base: ZeRO-0 3,867 seq/s,
+    ZeRO-1 3,027, benchmarks/RESULTS.md), unless the JSON offloads or asks for ZeRO-3 (choices for
+    memory); otherwise the JSON's stage."""
     if stage != "auto":
         return stage
+    if saved != "fresh":
+        return saved
     zero = ds_config.get("zero_optimization", {})
     offload = any((zero.get(k) or {}).get("device", "none") not in ("none", None)
                   for k in ("offload_optimizer", "offload_param"))
     if world_size == 1 and not offload and zero.get("stage", 0) != 3:
         return 0
     return None
+
+
+def saved_zero_stage(ckpt_dir: Path, resume):
+    """The ZeRO stage of the checkpoint ``resume`` would pick: "fresh" when there is none (or resume is
+    never), None when the checkpoint does not record it."""
+    if resume == "never":
+        return "fresh"
+    tag = resume if resume not in ("auto", "must") else ckpt.find_latest(ckpt_dir)
+    if tag is None or not (ckpt_dir / tag / ckpt.MARKER).is_file():
+        return "fresh"
+    return ckpt.read_marker(ckpt_dir, tag).get("zero_stage")
 
 
 def _seed_all(seed: int) -> None:
@@ -182,7 +199,7 @@ class _Run:
         t0 = time.perf_counter()
         finite = all_reduce_sum([0.0 if hf_export.all_finite(engine.module) else 1.0], engine.device)[0] == 0
         good = finite and self.guard.healthy
-        info = {"good": good, "finite": finite, "model": model_signature(self.model),
+        info = {"good": good, "finite": finite, "model": model_signature(self.model), "zero_stage": engine.zero_stage,
                 "data_settings": self.index.get("settings"), "data_skip": self.data_skip}
         if self.dist.is_main:
             info["weights_sha256"] = hf_export.weights_fingerprint(engine.module)
@@ -279,13 +296,18 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict
     if det is not None:
         for problem in determinism.check_ops(model.config.kernels):
             log.print(f"[fastbert] WARNING: deterministic mode, but this op is not deterministic yet: {problem}")
-    resume_tag, ds_config = choose_resume(c_cfg["resume"], r.ckpt_dir, dist, load_ds_config(t_cfg["deepspeed"]), log,
+    ds_json = load_ds_config(t_cfg["deepspeed"])
+    zero_stage = resolve_zero_stage(t_cfg["zero_stage"], ds_json, dist.world_size,
+                                    saved_zero_stage(r.ckpt_dir, c_cfg["resume"]))
+    if zero_stage is not None:
+        ds_json["zero_optimization"] = dict(ds_json.get("zero_optimization", {}), stage=int(zero_stage))
+    resume_tag, ds_config = choose_resume(c_cfg["resume"], r.ckpt_dir, dist, ds_json, log,
                                           signature=model_signature(model))
     r.engine = engine = build_engine(model, ds_config, optimizer=t_cfg["optimizer"],
                                      micro_batch_size=t_cfg["micro_batch_size"],
                                      global_batch_size=t_cfg["global_batch_size"], precision=t_cfg["precision"],
                                      gradient_clipping=t_cfg["gradient_clipping"],
-                                     zero_stage=resolve_zero_stage(t_cfg["zero_stage"], ds_config, dist.world_size),
+                                     zero_stage=zero_stage,
                                      dist=dist)
     r.guard = guard = SpikeGuard(cfg["guard"], dist.rank, dist.device)
     install_guard(engine, guard)

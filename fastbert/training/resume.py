@@ -88,6 +88,10 @@ def universal_if_needed(ckpt_dir: Path, tag: str, dist: DistInfo, ds_config: dic
     saved_world = ckpt.checkpoint_world_size(ckpt_dir, tag)
     if saved_world == dist.world_size:
         return tag, ds_config
+    if ckpt.read_marker(ckpt_dir, tag).get("zero_stage") == 0 and \
+            ds_config.get("zero_optimization", {}).get("stage", 0) == 0:
+        # ZeRO-0 checkpoints hold whole (unpartitioned) states: every rank count loads them as they are.
+        return tag, ds_config
     log.print(f"[fastbert] {tag} was written by {saved_world} ranks; converting it to DeepSpeed's universal "
               f"format to resume on {dist.world_size}")
     if dist.is_main:

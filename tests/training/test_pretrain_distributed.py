@@ -165,7 +165,7 @@ def test_resume_on_one_rank_from_two(run_a, slice_dir, tmp_path):
     for s, r in steps.items():
         assert r["lr"] == pytest.approx(expected_lr(s - STEPS, budget, TICK, offset=BUDGET), rel=1e-12)
     last_a = by_step(records(run_a))[STEPS]["loss"]
-    assert all(abs(r["loss"] - last_a) < 1.0 for r in steps.values())  # optimizer state came along: no blow-up
+    assert all(r["loss"] < last_a + 1.0 for r in steps.values())  # optimizer state came along: no blow-up
 
 
 def step_config(data: str, out: str) -> dict:
@@ -190,7 +190,9 @@ def test_resume_on_two_ranks_from_one(slice_dir, tmp_path):
     cfg2 = write_config(tmp_path / "cfg2.json", step_config(str(slice_dir), str(two)))
     run(torchrun_cmd(cfg2, nproc=2), tmp_path / "log2.txt")
     resume = records(two, "resume")[0]
-    assert resume["tag"] == "step_00000012_universal" and resume["world_size"] == 2 and resume["step"] == 12
+    # One rank trains on ZeRO-0 (train.zero_stage=auto), whose states are whole: two ranks load them as they
+    # are (no universal conversion) and keep ZeRO-0 (a resumed run stays on its checkpoint's stage).
+    assert resume["tag"] == "step_00000012" and resume["world_size"] == 2 and resume["step"] == 12
     assert resume["weights_match"] is True
     start = [r for r in records(two, "start") if r["step"] == 12][0]
     assert start["world_size"] == 2 and start["grad_accum"] == 2
