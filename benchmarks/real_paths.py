@@ -51,15 +51,11 @@ def pretrain_command(out: Path, data: Path, steps: int, micro: int, extra, log: 
            'train.optimizer={"type":"adamw","lr":5e-4,"betas":[0.9,0.98],"eps":1e-6,"weight_decay":0.01}',
            "log.every_steps=5", "eval.every_steps=null", "eval.batches=4", "checkpoint.every_minutes=null",
            "checkpoint.every_steps=null", "checkpoint.at_end=false", "export.hf=false", *extra]
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
-    t0 = time.time()
-    with open(log, "w") as f:
-        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
-    wall = time.time() - t0
-    if rc != 0:
-        print(f"run failed ({rc}): {' '.join(cmd)}\n" + log.read_text()[-3000:], flush=True)
+    from gpu_pretrain_check import read_records, run_logged
+    ok, wall = run_logged(cmd, log)
+    if not ok:
         return {"ok": False, "wall_s": wall}
-    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    recs = read_records(out)
     train = [r for r in recs if r["event"] == "train"]
     start = next((r for r in recs if r["event"] == "start"), {})
     later = [r["seq_per_s"] for r in train if r["step"] > 10] or [r["seq_per_s"] for r in train]

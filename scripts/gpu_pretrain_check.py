@@ -43,15 +43,10 @@ def launch(out: Path, data: Path, nproc: int, zero: int, steps: int, micro: int,
             'train.optimizer={"type":"adamw","lr":5e-4,"betas":[0.9,0.98],"eps":1e-6,"weight_decay":0.01}',
             "log.every_steps=5", "eval.every_steps=null", "eval.batches=4", "checkpoint.every_minutes=null",
             "checkpoint.every_steps=null", "export.hf=false", f"model.kernels={kernels}", *extra]
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
-    t0 = time.time()
-    with open(log, "w") as f:
-        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
-    wall = time.time() - t0
-    if rc != 0:
-        print(f"run failed ({rc}): {' '.join(cmd)}\n" + log.read_text()[-4000:], flush=True)
+    ok, wall = run_logged(cmd, log)
+    if not ok:
         return {"ok": False, "wall_s": wall}
-    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    recs = read_records(out)
     train = [r for r in recs if r["event"] == "train"]
     steady = [r["seq_per_s"] for r in train[2:]] or [r["seq_per_s"] for r in train]
     ev = [r for r in recs if r["event"] == "eval"]
@@ -61,6 +56,24 @@ def launch(out: Path, data: Path, nproc: int, zero: int, steps: int, micro: int,
             "mfu": statistics.median([r.get("mfu") or 0 for r in train[2:]] or [0]),
             "eval": ev[-1] if ev else None, "steps": train[-1]["step"],
             "resumed": [r for r in recs if r["event"] == "resume"]}
+
+
+def run_logged(cmd, log: Path) -> tuple[bool, float]:
+    """Run ``cmd`` in the repository, its output to ``log``: (succeeded, seconds). A failure prints the
+    log's end."""
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
+    t0 = time.time()
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    wall = time.time() - t0
+    if rc != 0:
+        print(f"run failed ({rc}): {' '.join(map(str, cmd))}\n" + log.read_text()[-4000:], flush=True)
+    return rc == 0, wall
+
+
+def read_records(out: Path) -> list[dict]:
+    """The run's metrics.jsonl records."""
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def hf_baseline(data: Path, micro: int, steps: int = 20, warmup: int = 5, which: str = "hf") -> dict:
