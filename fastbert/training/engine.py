@@ -269,6 +269,7 @@ class TrainEngine:
         self._micro = 0
         self.clipping = float(ds_config.get("fastbert_clipping", 0.0))
         self._grad_norm: Optional[torch.Tensor] = None
+        self._clipped = False                    # the guard clipped this step already (to read the norm)
 
     # -- forwarding ---------------------------------------------------------------------------
     @property
@@ -364,7 +365,7 @@ class TrainEngine:
     def step(self) -> bool:
         """Call after every micro-batch's backward; returns True when an optimizer step happened."""
         boundary = self.ds.is_gradient_accumulation_boundary()
-        if boundary and self.clipping and not getattr(self, "_clipped", False):
+        if boundary and self.clipping and not self._clipped:
             self.clip_gradients()              # unless the guard already did, to read the norm
         self.ds.step()
         self._clipped = False
