@@ -2,6 +2,7 @@
 
     python3 benchmarks/real_paths.py --parts pretrain --data DIR --out OUT
     python3 benchmarks/real_paths.py --parts finetune --glue GLUE_DIR --vocab VOCAB_DIR --out OUT
+    python3 benchmarks/real_paths.py --parts pretrain --variants default --gpus 1,2,4 --data DIR --out OUT  # 4 GPUs
 
 ``pretrain``: BERT-base, seq 128, micro batch 128, bf16, real prepared Wikipedia data (DIR from
 ``fastbert prepare --nsp --seq-len 128``): HF ``BertForPreTraining`` (SDPA) in a bare loop (bf16
@@ -43,11 +44,13 @@ VARIANTS = {  # name: extra `fastbert pretrain` overrides
 }
 
 
-def pretrain_command(out: Path, data: Path, steps: int, micro: int, extra, log: Path) -> dict:
-    cmd = [sys.executable, "-m", "fastbert.commands.pretrain", "--config", "configs/base.json",
+def pretrain_command(out: Path, data: Path, steps: int, micro: int, extra, log: Path, gpus: int = 1) -> dict:
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={gpus}",
+                f"--master_port={29700 + gpus}"] if gpus > 1 else [sys.executable]
+    cmd = [*launcher, "-m", "fastbert.commands.pretrain", "--config", "configs/base.json",
            f"output_dir={out}", f"data.dir={data}", "data.auto_prepare=false", "train.deepspeed=null",
            "train.precision=bf16", f"train.max_steps={steps}", f"train.micro_batch_size={micro}",
-           f"train.global_batch_size={micro}", "train.warmup=0.1",
+           f"train.global_batch_size={micro * gpus}", "train.warmup=0.1",
            'train.optimizer={"type":"adamw","lr":5e-4,"betas":[0.9,0.98],"eps":1e-6,"weight_decay":0.01}',
            "log.every_steps=5", "eval.every_steps=null", "eval.batches=4", "checkpoint.every_minutes=null",
            "checkpoint.every_steps=null", "checkpoint.at_end=false", "export.hf=false", *extra]
@@ -77,11 +80,23 @@ def part_pretrain(args, res: dict) -> None:
     if args.bare_fastbert:
         res["fastbert_bare_loop"] = hf_baseline(data, args.micro, steps=20, which="fastbert")
         print("fastbert model, bare loop:", res["fastbert_bare_loop"], flush=True)
-    for name in args.variants.split(","):
+    for name in filter(None, args.variants.split(",")):
         r = pretrain_command(out / f"pt_{name}", data, args.steps, args.micro, VARIANTS[name], out / f"log_pt_{name}.txt")
         res[f"fastbert_pretrain_{name}"] = r
         print(f"fastbert pretrain {name}:", {k: v for k, v in r.items() if k != "windows"}, flush=True)
         save(args, res)
+    counts = [int(n) for n in args.gpus.split(",")] if args.gpus else []
+    for n in counts:          # weak scaling: the same micro batch per GPU, the defaults otherwise
+        r = pretrain_command(out / f"pt_gpus{n}", data, args.steps, args.micro, VARIANTS["default"],
+                             out / f"log_pt_gpus{n}.txt", gpus=n)
+        res[f"fastbert_pretrain_gpus{n}"] = r
+        print(f"fastbert pretrain on {n} GPU(s):", {k: v for k, v in r.items() if k != "windows"}, flush=True)
+        save(args, res)
+    one = res.get("fastbert_pretrain_gpus1", {}).get("seq_per_s")
+    for n in counts:
+        r = res[f"fastbert_pretrain_gpus{n}"]
+        if one and r.get("ok"):
+            r["scaling_efficiency"] = r["seq_per_s"] / (n * one)
 
 
 def make_random_checkpoint(vocab_dir: Path, out: Path) -> Path:
@@ -182,6 +197,8 @@ def table(res: dict) -> str:
     for k, v in res.items():
         if k.startswith("fastbert_pretrain_") and v.get("ok"):
             extra = f" (min window {v['min_over_median']:.0%} of median; {v['guard_events']} guard events)"
+            if "scaling_efficiency" in v:
+                extra += f", weak-scaling efficiency {v['scaling_efficiency']:.0%}"
             rows.append((f"fastbert pretrain {k[18:]}", f"{v['seq_per_s']:.0f}{extra}",
                          (f"{v['seq_per_s'] / hf:.2f}x HF" if hf else "") +
                          (f", {v['seq_per_s'] / bare:.0%} of bare" if bare else "")))
@@ -206,6 +223,8 @@ def main():
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--micro", type=int, default=128)
     p.add_argument("--variants", default="default,z1-pack,z2-pack,z1-none,default-noguard")
+    p.add_argument("--gpus", default="", help="weak scaling, e.g. 1,2,4: `fastbert pretrain` (defaults) on that many "
+                   "GPUs with micro batch --micro per GPU (a multi-GPU kind)")
     p.add_argument("--bare-fastbert", action="store_true",
                    help="also time fastbert's model (padded batches, dynamic shapes) in HF's bare loop")
     p.add_argument("--ft-train", type=int, default=0, help="SST-2 training examples (0 = all 67,349)")
