@@ -70,7 +70,7 @@ KEYS: list[tuple[str, object, str, str]] = [
     ("guard.warmup_steps", 50, "int>=0", "no spike checks before this optimizer step (early training moves fast)"),
     ("guard.loss_factor", 3.0, "factor?",
      "loss spike: above factor x median AND median + noise_sigmas x its noise (0/null = off)"),
-    ("guard.grad_norm_factor", 100.0, "factor?",
+    ("guard.grad_norm_factor", 1000.0, "factor?",
      "gradient-norm spike: above factor x median AND median + noise_sigmas x its noise (0/null = off)"),
     ("guard.noise_sigmas", 8.0, "number>=0", "how many robust standard deviations (1.4826 x MAD) a spike must exceed"),
     ("guard.rollback_after", 3, "int>0", "consecutive bad steps before rolling back to the last good checkpoint"),

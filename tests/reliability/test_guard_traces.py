@@ -47,7 +47,7 @@ def replay(trace: dict, cfg: dict | None = None, faults: dict | None = None) -> 
 
 
 def test_enough_healthy_runs_were_recorded():
-    assert len(TRACES) >= 1, "record seeds: python tests/reliability/record_guard_traces.py (10 wanted)"
+    assert len(TRACES) >= 10, "record seeds: python tests/reliability/record_guard_traces.py --seeds 10"
     assert all(len(t["loss"]) >= 110 for t in TRACES.values())        # past steps 88-99 of the alarms
     assert all(math.isfinite(x) for t in TRACES.values() for x in t["loss"] + t["grad_norm"])
 
@@ -72,7 +72,7 @@ def test_defaults_leave_room_above_the_largest_healthy_value(seed):
 DRILLS = {
     "nan loss": ({70: (math.nan, 1.0)}, "nonfinite_loss"),
     "100x loss spike": ({70: (100.0, 100.0)}, "loss_spike"),          # what guard.inject_spike_steps does
-    "exploding gradient norm": ({70: (1.0, 1000.0)}, "grad_norm_spike"),
+    "exploding gradient norm": ({70: (1.0, 1e5)}, "grad_norm_spike"),           # >= 1e5x the healthy median
     "non-finite gradient norm": ({70: (1.0, math.inf)}, "nonfinite_grad_norm"),
 }
 
