@@ -139,6 +139,7 @@ class PackedOrder:
         self.order = GlobalOrder(len(self.lengths), 1, seed)   # the permutation per epoch
         self.global_batch, self.seq_len, self.per_row, self.window = global_batch, seq_len, per_row, window
         self._epoch, self._rows = None, None
+        self._steps: dict[int, int] = {}          # epoch -> global steps in it (packing each epoch once)
         first = self.rows(0)
         if len(first) < global_batch:
             raise ShardError(f"the training split packs into {len(first)} rows of {seq_len} tokens, fewer than one "
@@ -156,15 +157,18 @@ class PackedOrder:
             self._epoch, self._rows = epoch, out
         return self._rows
 
+    def steps_in(self, epoch: int) -> int:
+        if epoch not in self._steps:
+            self._steps[epoch] = len(self.rows(epoch)) // self.global_batch
+        return self._steps[epoch]
+
     def _locate(self, step: int) -> tuple[int, int]:
         """(epoch, first row of the step in that epoch's list)."""
-        epoch, row = 0, step * self.global_batch
-        while True:
-            per_epoch = len(self.rows(epoch)) // self.global_batch * self.global_batch
-            if row < per_epoch:
-                return epoch, row
-            row -= per_epoch
+        epoch = 0
+        while step >= self.steps_in(epoch):
+            step -= self.steps_in(epoch)
             epoch += 1
+        return epoch, step * self.global_batch
 
     def micro_rows(self, step: int, micro: int, rank: int, world: int, micro_batch: int) -> list[list[int]]:
         epoch, first = self._locate(step)
