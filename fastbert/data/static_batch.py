@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-IGNORE_INDEX = -100
+from fastbert.data.masking import IGNORE_INDEX
 
 
 def build_rows(rows: Sequence[Sequence[tuple]], seq_len: int, per_row: int, pad_id: int,

@@ -313,11 +313,6 @@ class TrainEngine:
         scale = getattr(opt, "cur_scale", None) or getattr(getattr(opt, "loss_scaler", None), "cur_scale", None)
         return float(scale) if scale is not None else None
 
-    def grad_norm_tensor(self) -> Optional[torch.Tensor]:
-        """The global gradient norm (before clipping) fastbert computed for the last step (ZeRO-0), on the
-        device; None when DeepSpeed clips."""
-        return self._grad_norm
-
     def grad_norm(self) -> Optional[float]:
         """Global gradient norm of the last optimizer step (before clipping), if DeepSpeed kept it."""
         if self._grad_norm is not None:

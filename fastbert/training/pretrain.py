@@ -345,12 +345,10 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict
 
     # Static shapes: rows of seq_len tokens, several sequences a row when packing (data/static_batch.py).
     per_row = int(d_cfg["per_row"]) if d_cfg["packing"] == "pack" else 1
-    if d_cfg["packing"] == "pack":
+    if d_cfg["packing"] == "pack":               # "pack" | "none", checked at load (config_keys.py)
         order = PackedOrder(train_data.lengths(), engine.global_batch_size, seed, train_data.seq_len, per_row)
-    elif d_cfg["packing"] == "none":
-        order = GlobalOrder(len(train_data), engine.global_batch_size, seed)
     else:
-        raise ValueError(f"data.packing={d_cfg['packing']!r} is not known; use pack or none")
+        order = GlobalOrder(len(train_data), engine.global_batch_size, seed)
     loader = PretrainLoader(train_data, order, rank=dist.rank, world=dist.world_size,
                             micro_batch=engine.micro_batch_size, grad_accum=engine.grad_accum,
                             start_step=start_step + r.data_skip, prefetch=d_cfg["prefetch"],
