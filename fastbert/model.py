@@ -46,11 +46,6 @@ class ModelOutput(OrderedDict):
         return tuple(self.values())
 
 
-def new_seed() -> int:
-    """A dropout seed for the fused kernels, drawn from torch's CPU generator (no device sync)."""
-    return int(torch.randint(0, 2**31 - 1, (1,)).item())
-
-
 class InputError(ValueError):
     """Bad model input (ids out of range, sequence too long...); the message says how to fix it."""
 
@@ -72,8 +67,7 @@ class BertEmbeddings(nn.Module):
             input_ids, position_ids, token_type_ids, self.word_embeddings.weight,
             self.position_embeddings.weight, self.token_type_embeddings.weight,
             self.LayerNorm.weight, self.LayerNorm.bias, self.config.layer_norm_eps,
-            dropout_p=p, seed=new_seed() if p > 0 else None,
-            padding_idx=self.word_embeddings.padding_idx)
+            dropout_p=p, padding_idx=self.word_embeddings.padding_idx)
 
 
 class BertSelfAttention(nn.Module):
@@ -92,8 +86,7 @@ class BertSelfAttention(nn.Module):
         p = cfg.attention_probs_dropout_prob if self.training else 0.0
         scale = cfg.head_dim ** -0.5
         ctx = with_padding_rows(
-            lambda t: ops.attention_qkvpacked(t, cu_seqlens, max_seqlen, dropout_p=p, softmax_scale=scale,
-                                              seed=new_seed() if p > 0 else None),
+            lambda t: ops.attention_qkvpacked(t, cu_seqlens, max_seqlen, dropout_p=p, softmax_scale=scale),
             qkv, rows, scale, p)  # (T, nh, hd)
         probs = attention_maps_or_packed(qkv, rows, cu_seqlens, max_seqlen, scale) if output_attentions else None
         return ctx.reshape(T, cfg.hidden_size), probs
@@ -139,7 +132,7 @@ class BertLayer(nn.Module):
 
         def add_norm(y, residual, ln, y_bias, prenorm=False):
             return ops.dropout_add_layer_norm(y, residual, ln.weight, ln.bias, eps, x_bias=y_bias, dropout_p=p,
-                                              prenorm=prenorm, seed=new_seed() if p > 0 else None)
+                                              prenorm=prenorm)
 
         if not cfg.prenorm:
             ctx, probs = self.attention.self(ops, x, cu_seqlens, max_seqlen, output_attentions, rows)

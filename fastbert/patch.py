@@ -222,11 +222,6 @@ def _check_call(attention_mask, kwargs):
 
 
 # ---------------------------------------------------------------------------------- forward
-def _new_seed() -> int:
-    """A dropout seed from torch's CPU generator: torch.manual_seed makes runs repeatable."""
-    return int(torch.randint(0, 2**31 - 1, (1,)).item())
-
-
 def _p(dropout: torch.nn.Module) -> float:
     return dropout.p if dropout.training else 0.0
 
@@ -250,8 +245,7 @@ def _embed(emb, ops, rows: Rows, input_ids, token_type_ids, position_ids, inputs
     return ops.embeddings(
         flat(input_ids), flat(position_ids), flat(token_type_ids), emb.word_embeddings.weight,
         emb.position_embeddings.weight, emb.token_type_embeddings.weight, emb.LayerNorm.weight,
-        emb.LayerNorm.bias, emb.LayerNorm.eps, dropout_p=p, seed=_new_seed() if p > 0 else None,
-        padding_idx=emb.word_embeddings.padding_idx)
+        emb.LayerNorm.bias, emb.LayerNorm.eps, dropout_p=p, padding_idx=emb.word_embeddings.padding_idx)
 
 
 def _cat_or_none(*tensors):
@@ -275,14 +269,13 @@ def _layer(layer, ops, x, rows: Rows, hidden_act, output_attentions):
 
     def real_attention(t):                                                 # (T_real, 3, nh, hd)
         q, k, v = t.unbind(dim=1)                                          # (T_real, nh, hd) each, views
-        return ops.attention(q, k, v, real.cu_seqlens, real.max_seqlen, dropout_p=p_attn, softmax_scale=scale,
-                             seed=_new_seed() if p_attn > 0 else None)
+        return ops.attention(q, k, v, real.cu_seqlens, real.max_seqlen, dropout_p=p_attn, softmax_scale=scale)
     ctx = with_padding_rows(real_attention, qkv, rows, scale, p_attn)     # (T, nh, hd)
     probs = attention_maps_or_packed(qkv, rows, real.cu_seqlens, real.max_seqlen, scale) if output_attentions else None
     h = F.linear(ctx.reshape(tokens, nh * hd), so.dense.weight)            # bias goes into the LN op
     p = _p(so.dropout)
     x = ops.dropout_add_layer_norm(h, x, so.LayerNorm.weight, so.LayerNorm.bias, so.LayerNorm.eps,
-                                   x_bias=so.dense.bias, dropout_p=p, seed=_new_seed() if p > 0 else None)
+                                   x_bias=so.dense.bias, dropout_p=p)
 
     inter, out = layer.intermediate, layer.output
     approx = _GELU.get(hidden_act) if isinstance(hidden_act, str) else None
@@ -293,7 +286,7 @@ def _layer(layer, ops, x, rows: Rows, hidden_act, output_attentions):
     h = F.linear(h, out.dense.weight)
     p = _p(out.dropout)
     x = ops.dropout_add_layer_norm(h, x, out.LayerNorm.weight, out.LayerNorm.bias, out.LayerNorm.eps,
-                                   x_bias=out.dense.bias, dropout_p=p, seed=_new_seed() if p > 0 else None)
+                                   x_bias=out.dense.bias, dropout_p=p)
     return x, probs
 
 

@@ -1,9 +1,11 @@
 """Plumbing shared by the fused Triton ops: custom-op registration, dropout seeds and masks,
 launch settings, input checks.
 
-Dropout everywhere uses Triton's counter-based Philox generator keyed by an integer ``seed`` and
+Dropout everywhere uses Triton's counter-based Philox generator keyed by an integer seed and
 the flat element offset ``row * n_cols + col`` (int64), so the backward regenerates the forward's
-mask instead of storing it, and ``dropout_mask`` reproduces it on the host for tests.
+mask instead of storing it, and ``dropout_mask`` reproduces it for tests. The seed reaches the
+kernels as a one-element int64 tensor on the device (``dropout_seed``): drawn there by torch's
+generator, it needs no host round trip, and a CUDA graph replay draws a fresh one.
 """
 import os
 
@@ -48,15 +50,19 @@ def register_op(name, schema, impl, fake):
     return call
 
 
-def draw_seed() -> int:
-    """A dropout seed from torch's default CPU generator (so ``torch.manual_seed`` fixes it)."""
-    return int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).item())
-
-
-def resolve_seed(dropout_p: float, seed) -> int:
+def dropout_seed(dropout_p: float, seed, device):
+    """The dropout seed as the kernels read it: a one-element int64 tensor on ``device``, or None
+    when dropout is off. ``seed=None`` draws one with torch's generator for ``device``, on the
+    device (no host sync; ``torch.manual_seed`` fixes it; graph-safe, so each CUDA graph replay
+    draws anew and activation checkpointing's RNG restore redraws the same); an int or a tensor
+    fixes it."""
     if dropout_p == 0.0:
-        return 0
-    return draw_seed() if seed is None else int(seed)
+        return None
+    if seed is None:
+        return torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device)
+    if torch.is_tensor(seed):
+        return seed.reshape(1).to(device=device, dtype=torch.int64)
+    return torch.full((1,), int(seed) % 2**31, dtype=torch.int64, device=device)
 
 
 def autocast_dtype(device: torch.device):
@@ -136,20 +142,22 @@ def dropout_keep(seed, rows, col_start, n_cols, threshold, BLOCK_N: tl.constexpr
     return keep != 0
 
 
-@triton.jit(do_not_specialize=["seed", "threshold"])
-def _dropout_mask_kernel(OUT, M, N, threshold, seed, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+@triton.jit(do_not_specialize=["threshold"])
+def _dropout_mask_kernel(OUT, M, N, threshold, SEED, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     col_start = tl.program_id(1) * BLOCK_N
     cols = col_start + tl.arange(0, BLOCK_N)
-    keep = dropout_keep(seed, rows, col_start, N, threshold, BLOCK_N)
+    keep = dropout_keep(tl.load(SEED), rows, col_start, N, threshold, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     tl.store(OUT + rows.to(tl.int64)[:, None] * N + cols[None, :], keep.to(tl.int8), mask=mask)
 
 
-def dropout_mask(seed: int, n_rows: int, n_cols: int, dropout_p: float, device) -> torch.Tensor:
-    """The bool keep-mask ``(n_rows, n_cols)`` that the fused ops draw for ``seed`` and ``dropout_p``."""
+def dropout_mask(seed, n_rows: int, n_cols: int, dropout_p: float, device) -> torch.Tensor:
+    """The bool keep-mask ``(n_rows, n_cols)`` that the fused ops draw for ``seed`` (int or the
+    seed tensor) and ``dropout_p``."""
     out = torch.empty((n_rows, n_cols), dtype=torch.int8, device=device)
     check_triton_device(out)
     grid = (triton.cdiv(n_rows, 16), triton.cdiv(n_cols, 256))
-    _dropout_mask_kernel[grid](out, n_rows, n_cols, drop_threshold(dropout_p), seed, BLOCK_M=16, BLOCK_N=256)
+    _dropout_mask_kernel[grid](out, n_rows, n_cols, drop_threshold(dropout_p), dropout_seed(1.0, seed, device),
+                               BLOCK_M=16, BLOCK_N=256)
     return out.bool()

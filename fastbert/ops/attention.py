@@ -60,6 +60,8 @@ try:
     import triton
     import triton.language as tl
     _jit = triton.jit
+
+    from fastbert.ops._common import dropout_seed
 except ImportError:  # pragma: no cover - the reference above works without triton
     triton = tl = None
 
@@ -68,24 +70,24 @@ except ImportError:  # pragma: no cover - the reference above works without trit
 
 _LOG2E = 1.4426950408889634
 # Dropout draws one Philox number per (query, key) pair of a sequence: the counter is
-# ``row * max_seqlen + col`` (local to the sequence) and the key is the user seed in the low 32 bits
-# plus the (sequence, head) stream in the high 32 bits, so forward and backward regenerate the
-# same mask whatever block sizes they use.
+# ``row * max_seqlen + col`` (local to the sequence) and the key is the seed (read from the seed
+# tensor) in the low 32 bits plus the (sequence, head) stream in the high 32 bits, so forward and
+# backward regenerate the same mask whatever block sizes they use.
 _STREAM_SHIFT = tl.constexpr(2**32) if tl is not None else 2**32  # kernels read only constexpr globals
 
 
 @_jit
-def _philox_keep(seed, stream, rows, cols, max_seqlen, dropout_p):
+def _philox_keep(SEED, stream, rows, cols, max_seqlen, dropout_p):
     """Boolean keep-mask for the ``(rows, cols)`` grid of one (sequence, head) stream."""
-    key = seed.to(tl.int64) + stream.to(tl.int64) * _STREAM_SHIFT
+    key = tl.load(SEED).to(tl.int64) + stream.to(tl.int64) * _STREAM_SHIFT
     return tl.rand(key, rows * max_seqlen + cols) >= dropout_p
 
 
-@_jit(do_not_specialize=["seed", "max_seqlen"])
+@_jit(do_not_specialize=["max_seqlen"])
 def _fwd_kernel(
     Q, K, V, O, LSE, CU_SEQLENS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_lse_h, nheads, qk_scale, dropout_p, seed, max_seqlen,
+    stride_lse_h, nheads, qk_scale, dropout_p, SEED, max_seqlen,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -129,7 +131,7 @@ def _fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if HAS_DROPOUT:
-            keep = _philox_keep(seed, stream, offs_m[:, None], cols[None, :], max_seqlen, dropout_p)
+            keep = _philox_keep(SEED, stream, offs_m[:, None], cols[None, :], max_seqlen, dropout_p)
             p = tl.where(keep, p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -143,12 +145,12 @@ def _fwd_kernel(
     tl.store(LSE + head * stride_lse_h + start + offs_m, m_i + tl.math.log2(l_safe), mask=mask_m)
 
 
-@_jit(do_not_specialize=["seed", "max_seqlen"])
+@_jit(do_not_specialize=["max_seqlen"])
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-    stride_lse_h, nheads, qk_scale, softmax_scale, dropout_p, seed, max_seqlen,
+    stride_lse_h, nheads, qk_scale, softmax_scale, dropout_p, SEED, max_seqlen,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -193,7 +195,7 @@ def _bwd_dkdv_kernel(
         pT = tl.where(mask_n[:, None] & mask_m[None, :], pT, 0.0)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (dO V^T)^T
         if HAS_DROPOUT:
-            keepT = _philox_keep(seed, stream, rows[None, :], offs_n[:, None], max_seqlen, dropout_p)
+            keepT = _philox_keep(SEED, stream, rows[None, :], offs_n[:, None], max_seqlen, dropout_p)
             scale_keep = 1.0 / (1.0 - dropout_p)
             dv = tl.dot(tl.where(keepT, pT * scale_keep, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
             dpT = tl.where(keepT, dpT * scale_keep, 0.0)
@@ -209,12 +211,12 @@ def _bwd_dkdv_kernel(
              dv.to(DV.dtype.element_ty), mask=mask_nd)
 
 
-@_jit(do_not_specialize=["seed", "max_seqlen"])
+@_jit(do_not_specialize=["max_seqlen"])
 def _bwd_dq_kernel(
     Q, K, V, O, DO, LSE, DELTA, DQ, CU_SEQLENS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_ot, stride_oh, stride_dqt, stride_dqh,
-    stride_lse_h, nheads, qk_scale, softmax_scale, dropout_p, seed, max_seqlen,
+    stride_lse_h, nheads, qk_scale, softmax_scale, dropout_p, SEED, max_seqlen,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -262,7 +264,7 @@ def _bwd_dq_kernel(
         p = tl.where(mask_m[:, None] & mask_n[None, :], p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
-            keep = _philox_keep(seed, stream, offs_m[:, None], cols[None, :], max_seqlen, dropout_p)
+            keep = _philox_keep(SEED, stream, offs_m[:, None], cols[None, :], max_seqlen, dropout_p)
             dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
@@ -272,12 +274,12 @@ def _bwd_dq_kernel(
              dq.to(DQ.dtype.element_ty), mask=mask_md)
 
 
-@_jit(do_not_specialize=["seed", "max_seqlen"])
+@_jit(do_not_specialize=["max_seqlen"])
 def _bwd_short_kernel(
     Q, K, V, O, DO, LSE, DQ, DK, DV, CU_SEQLENS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-    stride_lse_h, nheads, qk_scale, softmax_scale, dropout_p, seed, max_seqlen, min_len,
+    stride_lse_h, nheads, qk_scale, softmax_scale, dropout_p, SEED, max_seqlen, min_len,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -313,7 +315,7 @@ def _bwd_short_kernel(
     p = tl.where(mask[:, None] & mask[None, :], p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
-        keep = _philox_keep(seed, seq * nheads + head, offs[:, None], offs[None, :], max_seqlen, dropout_p)
+        keep = _philox_keep(SEED, seq * nheads + head, offs[:, None], offs[None, :], max_seqlen, dropout_p)
         scale_keep = 1.0 / (1.0 - dropout_p)
         p_dropped = tl.where(keep, p * scale_keep, 0.0)
         dp = tl.where(keep, dp * scale_keep, 0.0)
@@ -384,7 +386,7 @@ def _kernel_constants(q: torch.Tensor, dropout_p: float) -> dict:
 
 
 def varlen_attention_forward(q, k, v, cu_seqlens, max_seqlen: int, dropout_p: float, softmax_scale: float,
-                             seed: int):
+                             seed):
     """Returns ``out`` ``(T, nh, hd)`` and the log-sum-exp in log2 units ``(nh, T)`` fp32."""
     total, nheads, head_dim = q.shape
     out = torch.empty((total, nheads, head_dim), dtype=q.dtype, device=q.device)
@@ -403,14 +405,14 @@ def varlen_attention_forward(q, k, v, cu_seqlens, max_seqlen: int, dropout_p: fl
 
 
 def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, dropout_p: float,
-                              softmax_scale: float, seed: int):
+                              softmax_scale: float, seed):
     """Returns ``dq, dk, dv``, each ``(T, nh, hd)``: views of one ``(T, 3, nh, hd)`` buffer."""
     return _backward_packed(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, softmax_scale,
                             seed).unbind(1)
 
 
 def _backward_packed(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, dropout_p: float, softmax_scale: float,
-                     seed: int):
+                     seed):
     """The gradients as one ``(T, 3, nh, hd)`` tensor (custom ops may not return aliasing outputs)."""
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
@@ -463,11 +465,11 @@ def _register_custom_ops():
         fwd = torch.library.custom_op(
             "fastbert::varlen_attention_fwd", varlen_attention_forward, mutates_args=(),
             schema="(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, SymInt max_seqlen, float dropout_p, "
-                   "float softmax_scale, int seed) -> (Tensor, Tensor)")
+                   "float softmax_scale, Tensor? seed) -> (Tensor, Tensor)")
         bwd = torch.library.custom_op(
             "fastbert::varlen_attention_bwd", _backward_packed, mutates_args=(),
             schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens, "
-                   "SymInt max_seqlen, float dropout_p, float softmax_scale, int seed) -> Tensor")
+                   "SymInt max_seqlen, float dropout_p, float softmax_scale, Tensor? seed) -> Tensor")
     except (AttributeError, RuntimeError, TypeError, ValueError):  # old torch, or registered twice
         return None, None
 
@@ -566,27 +568,25 @@ def _autocast_dtype(device: torch.device):
         return torch.get_autocast_gpu_dtype() if device.type == "cuda" and torch.is_autocast_enabled() else None
 
 
-def _scale_and_seed(head_dim: int, softmax_scale, dropout_p: float, seed) -> tuple[float, int]:
-    """The softmax scale (default 1/sqrt(head_dim)) and the kernels' dropout seed: ``None`` draws one
-    from torch's CPU generator when dropout is on."""
+def _scale_and_seed(head_dim: int, softmax_scale, dropout_p: float, seed, device):
+    """The softmax scale (default 1/sqrt(head_dim)) and the kernels' dropout seed tensor
+    (``_common.dropout_seed``: ``None`` draws a fresh one on the device)."""
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    if dropout_p > 0.0 and seed is None:
-        seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
-    return scale, 0 if seed is None else int(seed) % 2**31
+    return scale, dropout_seed(dropout_p, seed, device)
 
 
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, seed=None):
     """Fused attention over unpadded sequences; same signature and semantics as ``varlen_attention_ref``.
 
-    ``max_seqlen`` must be at least the longest sequence in ``cu_seqlens``. ``seed`` (int) fixes the
-    dropout mask; ``None`` draws one from torch's CPU generator, so ``torch.manual_seed`` makes runs
+    ``max_seqlen`` must be at least the longest sequence in ``cu_seqlens``. ``seed`` (int or tensor)
+    fixes the dropout mask; ``None`` draws one on the device, so ``torch.manual_seed`` makes runs
     repeatable. The mask is regenerated in backward, never stored.
     """
     _check_inputs(q, k, v, cu_seqlens, dropout_p)
     cast = _autocast_dtype(q.device)
     if cast is not None and q.dtype == torch.float32:  # as F.scaled_dot_product_attention under autocast
         q, k, v = q.to(cast), k.to(cast), v.to(cast)
-    scale, seed = _scale_and_seed(q.shape[-1], softmax_scale, dropout_p, seed)
+    scale, seed = _scale_and_seed(q.shape[-1], softmax_scale, dropout_p, seed, q.device)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     return VarlenAttentionFunction.apply(q, k, v, cu_seqlens, max_seqlen, float(dropout_p), scale, seed)
 
@@ -601,7 +601,7 @@ def varlen_attention_qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softm
     cast = _autocast_dtype(qkv.device)
     if cast is not None and qkv.dtype == torch.float32:
         qkv = qkv.to(cast)
-    scale, seed = _scale_and_seed(qkv.shape[-1], softmax_scale, dropout_p, seed)
+    scale, seed = _scale_and_seed(qkv.shape[-1], softmax_scale, dropout_p, seed, qkv.device)
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     return VarlenAttentionQKVPackedFunction.apply(qkv, cu_seqlens, max_seqlen, float(dropout_p), scale, seed)

@@ -34,7 +34,7 @@ import triton.language as tl  # noqa: E402
 
 from fastbert.ops._common import (  # noqa: E402
     check_dropout_p, check_hidden, check_triton_device, drop_threshold, dropout_keep, num_sms, register_op,
-    resolve_seed, row_block)
+    dropout_seed, row_block)
 
 # Token-type tables up to this many rows are reduced in registers; larger ones use atomics.
 _MAX_TYPES_IN_REGS = 8
@@ -53,9 +53,9 @@ def _gather_sum(IDS_W, IDS_P, IDS_T, WORD, POS, TYPE, rows, cols, row_mask, mask
     return s, wid, pid, tid
 
 
-@triton.jit(do_not_specialize=["seed", "threshold"])
+@triton.jit(do_not_specialize=["threshold"])
 def _emb_fwd_kernel(IDS_W, IDS_P, IDS_T, WORD, POS, TYPE, LN_W, LN_B, Y, MEAN, RSTD,
-                    M, N, stride_word, stride_pos, stride_type, eps, threshold, scale, seed,
+                    M, N, stride_word, stride_pos, stride_type, eps, threshold, scale, SEED,
                     HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -73,14 +73,14 @@ def _emb_fwd_kernel(IDS_W, IDS_P, IDS_T, WORD, POS, TYPE, LN_W, LN_B, Y, MEAN, R
     b = tl.load(LN_B + cols, mask=col_mask, other=0.0).to(tl.float32)
     y = sc * rstd[:, None] * w[None, :] + b[None, :]
     if HAS_DROPOUT:
-        y = tl.where(dropout_keep(seed, rows, 0, N, threshold, BLOCK_N), y * scale, 0.0)
+        y = tl.where(dropout_keep(tl.load(SEED), rows, 0, N, threshold, BLOCK_N), y * scale, 0.0)
     tl.store(Y + rows.to(tl.int64)[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["seed", "threshold"])
+@triton.jit(do_not_specialize=["threshold"])
 def _emb_bwd_kernel(DY, IDS_W, IDS_P, IDS_T, WORD, POS, TYPE, LN_W, MEAN, RSTD,
                     DWORD, DPOS, DTYPE, DTYPE_PART, DLNW_PART, DLNB_PART,
-                    M, N, rows_per_program, stride_word, stride_pos, stride_type, threshold, scale, seed, padding_idx,
+                    M, N, rows_per_program, stride_word, stride_pos, stride_type, threshold, scale, SEED, padding_idx,
                     HAS_DROPOUT: tl.constexpr, HAS_PAD: tl.constexpr, TYPES_IN_REGS: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     prog = tl.program_id(0)
@@ -104,7 +104,7 @@ def _emb_bwd_kernel(DY, IDS_W, IDS_P, IDS_T, WORD, POS, TYPE, LN_W, MEAN, RSTD,
         xhat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
         dy = tl.load(DY + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_DROPOUT:
-            dy = tl.where(dropout_keep(seed, rows, 0, N, threshold, BLOCK_N), dy * scale, 0.0)
+            dy = tl.where(dropout_keep(tl.load(SEED), rows, 0, N, threshold, BLOCK_N), dy * scale, 0.0)
         wdy = dy * w[None, :]
         c1 = tl.sum(xhat * wdy, axis=1) / N
         c2 = tl.sum(wdy, axis=1) / N
@@ -199,14 +199,14 @@ def _bwd_fake(dy, input_ids, position_ids, token_type_ids, word_weight, position
 _fwd_op = register_op(
     "bert_embeddings_fwd",
     "(Tensor input_ids, Tensor position_ids, Tensor token_type_ids, Tensor word_weight, Tensor position_weight, "
-    "Tensor type_weight, Tensor ln_weight, Tensor ln_bias, float eps, float dropout_p, int seed) "
+    "Tensor type_weight, Tensor ln_weight, Tensor ln_bias, float eps, float dropout_p, Tensor? seed) "
     "-> (Tensor, Tensor, Tensor)",
     embeddings_fwd, _fwd_fake)
 _bwd_op = register_op(
     "bert_embeddings_bwd",
     "(Tensor dy, Tensor input_ids, Tensor position_ids, Tensor token_type_ids, Tensor word_weight, "
     "Tensor position_weight, Tensor type_weight, Tensor ln_weight, Tensor mean, Tensor rstd, float dropout_p, "
-    "int seed, int padding_idx) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "Tensor? seed, int padding_idx) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     embeddings_bwd, _bwd_fake)
 
 
@@ -233,7 +233,7 @@ class BertEmbeddingsFn(torch.autograd.Function):
 def bert_embeddings(input_ids, position_ids, token_type_ids, word_weight, position_weight, type_weight,
                     ln_weight, ln_bias, eps, dropout_p=0.0, seed=None, padding_idx=None):
     """Fused embeddings; same signature and semantics as :func:`bert_embeddings_ref` except that
-    dropout draws a Philox mask from ``seed`` (``None``: one from torch's CPU generator)."""
+    dropout draws a Philox mask from ``seed`` (``None``: a fresh one, see ``_common.dropout_seed``)."""
     n = word_weight.shape[1]
     check_hidden(n, "bert_embeddings")
     check_dropout_p(dropout_p)
@@ -247,7 +247,7 @@ def bert_embeddings(input_ids, position_ids, token_type_ids, word_weight, positi
         raise ValueError(f"bert_embeddings: all tables need hidden size {n} and the LayerNorm params shape ({n},)")
     if padding_idx is not None and padding_idx < 0:
         padding_idx += word_weight.shape[0]  # nn.Embedding's convention for negative indices
-    seed = resolve_seed(dropout_p, seed)
+    seed = dropout_seed(dropout_p, seed, word_weight.device)
     tables = [t if t.stride(-1) == 1 else t.contiguous() for t in (word_weight, position_weight, type_weight)]
     return BertEmbeddingsFn.apply(input_ids.contiguous(), position_ids.contiguous(), token_type_ids.contiguous(),
                                   *tables, ln_weight, ln_bias, float(eps), float(dropout_p), seed,

@@ -46,11 +46,11 @@ import triton.language as tl  # noqa: E402
 
 from fastbert.ops._common import (  # noqa: E402
     check_dropout_p, check_hidden, check_triton_device, drop_threshold, dropout_keep, num_sms, register_op,
-    resolve_seed, row_block)
+    dropout_seed, row_block)
 
 
 @triton.jit
-def _prenorm_sum(X, RES, XB, rows64, cols, mask, col_mask, N, stride_x, stride_res, threshold, scale, seed,
+def _prenorm_sum(X, RES, XB, rows64, cols, mask, col_mask, N, stride_x, stride_res, threshold, scale, SEED,
                  HAS_RES: tl.constexpr, HAS_XB: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr):
     """s = residual + dropout(x + x_bias) in fp32 for a (BLOCK_M, BLOCK_N) tile; also the keep mask."""
     x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -58,16 +58,16 @@ def _prenorm_sum(X, RES, XB, rows64, cols, mask, col_mask, N, stride_x, stride_r
         x += tl.load(XB + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     keep = mask
     if HAS_DROPOUT:
-        keep = dropout_keep(seed, rows64, 0, N, threshold, BLOCK_N)
+        keep = dropout_keep(tl.load(SEED), rows64, 0, N, threshold, BLOCK_N)
         x = tl.where(keep, x * scale, 0.0)
     if HAS_RES:
         x += tl.load(RES + rows64[:, None] * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     return x, keep
 
 
-@triton.jit(do_not_specialize=["seed", "threshold"])
+@triton.jit(do_not_specialize=["threshold"])
 def _ln_fwd_kernel(X, RES, XB, W, B, Y, S, MEAN, RSTD,
-                   M, N, stride_x, stride_res, stride_y, stride_s, eps, threshold, scale, seed,
+                   M, N, stride_x, stride_res, stride_y, stride_s, eps, threshold, scale, SEED,
                    HAS_RES: tl.constexpr, HAS_XB: tl.constexpr, HAS_B: tl.constexpr,
                    HAS_DROPOUT: tl.constexpr, STORE_SUM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -77,7 +77,7 @@ def _ln_fwd_kernel(X, RES, XB, W, B, Y, S, MEAN, RSTD,
     col_mask = cols < N
     mask = row_mask[:, None] & col_mask[None, :]
     rows64 = rows.to(tl.int64)
-    s, _ = _prenorm_sum(X, RES, XB, rows64, cols, mask, col_mask, N, stride_x, stride_res, threshold, scale, seed,
+    s, _ = _prenorm_sum(X, RES, XB, rows64, cols, mask, col_mask, N, stride_x, stride_res, threshold, scale, SEED,
                         HAS_RES, HAS_XB, HAS_DROPOUT, BLOCK_N)
     if STORE_SUM:
         tl.store(S + rows64[:, None] * stride_s + cols[None, :], s.to(S.dtype.element_ty), mask=mask)
@@ -94,10 +94,10 @@ def _ln_fwd_kernel(X, RES, XB, W, B, Y, S, MEAN, RSTD,
     tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["seed", "threshold"])
+@triton.jit(do_not_specialize=["threshold"])
 def _ln_bwd_kernel(DY, DS, X, RES, XB, W, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, DXB_PART,
                    M, N, rows_per_program, stride_dy, stride_ds, stride_x, stride_res, stride_dx, stride_dres,
-                   threshold, scale, seed,
+                   threshold, scale, SEED,
                    HAS_DS: tl.constexpr, HAS_RES: tl.constexpr, HAS_XB: tl.constexpr,
                    HAS_DROPOUT: tl.constexpr, STORE_DRES: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -118,7 +118,7 @@ def _ln_bwd_kernel(DY, DS, X, RES, XB, W, MEAN, RSTD, DX, DRES, DW_PART, DB_PART
         mask = row_mask[:, None] & col_mask[None, :]
         rows64 = rows.to(tl.int64)
         s, keep = _prenorm_sum(X, RES, XB, rows64, cols, mask, col_mask, N, stride_x, stride_res, threshold, scale,
-                               seed, HAS_RES, HAS_XB, HAS_DROPOUT, BLOCK_N)
+                               SEED, HAS_RES, HAS_XB, HAS_DROPOUT, BLOCK_N)
         mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
         rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
         xhat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
@@ -233,12 +233,12 @@ def _bwd_fake(dy, ds, x, residual, weight, bias, x_bias, mean, rstd, dropout_p, 
 _fwd_op = register_op(
     "dropout_add_layer_norm_fwd",
     "(Tensor x, Tensor? residual, Tensor weight, Tensor? bias, float eps, Tensor? x_bias, float dropout_p, "
-    "int seed, bool store_sum) -> (Tensor, Tensor, Tensor, Tensor)",
+    "Tensor? seed, bool store_sum) -> (Tensor, Tensor, Tensor, Tensor)",
     layer_norm_fwd, _fwd_fake)
 _bwd_op = register_op(
     "dropout_add_layer_norm_bwd",
     "(Tensor dy, Tensor? ds, Tensor x, Tensor? residual, Tensor weight, Tensor? bias, Tensor? x_bias, "
-    "Tensor mean, Tensor rstd, float dropout_p, int seed) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "Tensor mean, Tensor rstd, float dropout_p, Tensor? seed) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     layer_norm_bwd, _bwd_fake)
 
 
@@ -273,7 +273,8 @@ class DropoutAddLayerNormFn(torch.autograd.Function):
 def dropout_add_layer_norm(x, residual, weight, bias, eps, x_bias=None, dropout_p=0.0, prenorm=False, seed=None):
     """Fused ``LayerNorm(residual + dropout(x + x_bias))``; same signature and semantics as
     :func:`dropout_add_layer_norm_ref` except that dropout draws a Philox mask from ``seed``
-    (an int; ``None`` draws one from torch's CPU generator). ``p == 0`` is exactly no dropout."""
+    (an int or tensor; ``None`` draws a fresh one, see ``_common.dropout_seed``). ``p == 0`` is exactly no
+    dropout."""
     n = x.shape[-1]
     check_hidden(n, "dropout_add_layer_norm")
     check_dropout_p(dropout_p)
@@ -283,6 +284,6 @@ def dropout_add_layer_norm(x, residual, weight, bias, eps, x_bias=None, dropout_
     for name, t in (("weight", weight), ("bias", bias), ("x_bias", x_bias)):
         if t is not None and t.shape != (n,):
             raise ValueError(f"dropout_add_layer_norm: {name} must have shape ({n},), got {tuple(t.shape)}")
-    seed = resolve_seed(dropout_p, seed)
+    seed = dropout_seed(dropout_p, seed, x.device)
     return DropoutAddLayerNormFn.apply(x, residual, weight, bias, float(eps), x_bias, float(dropout_p),
                                        bool(prenorm), seed)

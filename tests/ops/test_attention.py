@@ -229,9 +229,11 @@ def test_custom_ops_pass_opcheck_and_compile():
     cu = cu_seqlens_of(lengths)
     qkv = packed_qkv(lengths, 2, 32, torch.float32).detach()
     q, k, v = qkv.unbind(1)
-    torch.library.opcheck(attn._fwd_op, (q, k, v, cu, 20, 0.0, 0.2, 0))
-    out, lse = attn.varlen_attention_forward(q, k, v, cu, 20, 0.0, 0.2, 0)
-    torch.library.opcheck(attn._bwd_op, (torch.randn_like(out), q, k, v, out, lse, cu, 20, 0.0, 0.2, 0))
+    seed = torch.tensor([3], dtype=torch.int64)  # the seed travels as a device tensor (None: no dropout)
+    for p, s in ((0.0, None), (0.1, seed)):
+        torch.library.opcheck(attn._fwd_op, (q, k, v, cu, 20, p, 0.2, s))
+        out, lse = attn.varlen_attention_forward(q, k, v, cu, 20, p, 0.2, s)
+        torch.library.opcheck(attn._bwd_op, (torch.randn_like(out), q, k, v, out, lse, cu, 20, p, 0.2, s))
 
     def f(x):
         return varlen_attention(*x.unbind(1), cu, 20, dropout_p=0.1, seed=5)
