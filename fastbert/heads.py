@@ -93,9 +93,7 @@ class _MLMModel(BertPreTrainedModel):
         ``max_seqlen``, the masking collator's ``mlm_positions`` / ``mlm_targets`` slots and, with an
         NSP head, ``cls_positions`` / ``next_sentence_label`` slots (-100 where empty). Every shape is
         fixed by the batch geometry and nothing is read back from the device."""
-        flat = lambda name: packed[name].reshape(-1)  # noqa: E731
-        x, _, _ = self.bert.encode_unpadded(flat("input_ids"), packed["cu_seqlens"], int(packed["max_seqlen"]),
-                                            flat("token_type_ids"), flat("position_ids"))
+        x = self.bert.encode_packed(packed)
         mlm_loss, correct, count = self.cls.predictions.loss(self.ops, x, packed["mlm_targets"],
                                                              positions=packed["mlm_positions"])
         loss, nsp_logits, nsp_correct, nsp_count = mlm_loss, None, None, None
@@ -216,7 +214,9 @@ class BertForSequenceClassification(BertPreTrainedModel):
         self.init_weights()
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
-                output_attentions=False, output_hidden_states=False, return_dict=True, **unused):
+                output_attentions=False, output_hidden_states=False, return_dict=True, packed=None, **unused):
+        if packed is not None:
+            return self._forward_packed(packed, return_dict)
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, output_attentions,
                         output_hidden_states, **unused)
         logits = self.classifier(self.dropout(out.pooler_output))
@@ -224,6 +224,18 @@ class BertForSequenceClassification(BertPreTrainedModel):
         if labels is not None:
             loss = sequence_classification_loss(self.config, logits, labels)
         res = ModelOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
+        return res if return_dict else res.to_tuple()
+
+
+    def _forward_packed(self, packed: dict, return_dict: bool = True):
+        """The static-shape step of ``fastbert finetune`` (``data/static_batch.pack_examples``):
+        examples back to back, each pooled at its first token (``cls_positions``); the loss is HF's
+        over the batch's ``labels``."""
+        x = self.bert.encode_packed(packed)
+        logits = self.classifier(self.dropout(self.bert.pooler(x.index_select(0, packed["cls_positions"]))))
+        labels = packed.get("labels")
+        loss = sequence_classification_loss(self.config, logits, labels) if labels is not None else None
+        res = ModelOutput(loss=loss, logits=logits)
         return res if return_dict else res.to_tuple()
 
 

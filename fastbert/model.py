@@ -335,6 +335,15 @@ class BertModel(BertPreTrainedModel):
         x = self.embeddings(ops, input_ids, position_ids, token_type_ids)
         return self.encoder(ops, x, cu_seqlens, max_seqlen, output_hidden_states, output_attentions, rows)
 
+    def encode_packed(self, packed: dict) -> torch.Tensor:
+        """The encoder on a static-shape batch (``data/static_batch.py``): ``input_ids``,
+        ``token_type_ids``, ``position_ids`` (any shape, flattened), ``cu_seqlens`` and ``max_seqlen``
+        (an int). Returns ``(tokens, hidden)``; nothing is read back from the device."""
+        flat = lambda name: packed[name].reshape(-1)  # noqa: E731
+        x, _, _ = self.encode_unpadded(flat("input_ids"), packed["cu_seqlens"], int(packed["max_seqlen"]),
+                                       flat("token_type_ids"), flat("position_ids"))
+        return x
+
     def run(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
             output_attentions=False, output_hidden_states=False, need=None):
         """Check, unpad, encode. ``need``: ``(batch, seq)`` bool of the positions a result reads (HF

@@ -130,3 +130,43 @@ def test_packed_step_reads_nothing_back(monkeypatch):
     out.loss.backward()
     monkeypatch.undo()
     assert torch.isfinite(out.loss) and int(out.mlm_count) > 0 and int(out.nsp_count) == 8
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("num_labels", [3, 1])  # classification, regression
+def test_packed_finetune_batch_matches_padded_call(kernels, num_labels):
+    """``fastbert finetune``'s static batches (examples back to back, padded to a token bucket in
+    isolated segments) give HF's padded call's logits, loss and every gradient."""
+    from fastbert import BertForSequenceClassification
+    from fastbert.data.static_batch import pack_examples
+    from fastbert.tasks.trainer import pad_batch
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0, num_labels=num_labels, kernels=kernels)
+    model = BertForSequenceClassification(cfg).to(DEVICE).train()
+    rng = np.random.default_rng(3)
+    rows = []
+    for ids, b, label in sequences(4, 7):
+        types = [0] * len(ids) if not b else [0] * b + [1] * (len(ids) - b)
+        rows.append({"input_ids": ids.tolist(), "token_type_ids": types, "attention_mask": [1] * len(ids),
+                     "labels": float(rng.normal()) if num_labels == 1 else int(rng.integers(0, 3))})
+    padded = {k: v.to(DEVICE) for k, v in pad_batch(rows, {}).items()}
+    arrays = pack_examples(rows, SEQ, granularity=16)
+    assert arrays["input_ids"].shape[0] > sum(len(r["input_ids"]) for r in rows)  # some padding segments
+    packed = {k: torch.as_tensor(v, device=DEVICE) for k, v in arrays.items()}
+    packed["max_seqlen"] = SEQ
+    ref, g_ref = loss_and_grads(model, padded)
+    out, g = loss_and_grads(model, {"packed": packed})
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    assert g.keys() == g_ref.keys()
+    for name in g_ref:
+        torch.testing.assert_close(g[name], g_ref[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_token_buckets_are_few_and_tight():
+    from fastbert.data.static_batch import token_bucket
+    sizes = [token_bucket(n) for n in range(1, 5000)]
+    assert sorted(set(sizes)) == [64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144]
+    assert all(s >= n and (s <= 128 or s <= 1.5 * n) for n, s in zip(range(1, 5000), sizes))
