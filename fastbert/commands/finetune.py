@@ -61,6 +61,10 @@ def add_parser(sub):
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2), help="DeepSpeed ZeRO stage (default 0)")
     p.add_argument("--deepspeed-config", default=None, help="DeepSpeed JSON with extra ZeRO/offload settings")
     p.add_argument("--no-save-model", action="store_true", help="do not write the fine-tuned weights")
+    p.add_argument("--no-static-batches", action="store_true",
+                   help="padded batches instead of token-bucketed packed ones (GLUE tasks; the losses are the same)")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run every step eagerly instead of replaying CUDA graphs of the static-shape step")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse_suppress())
     g = p.add_argument_group("squad")
     g.add_argument("--doc-stride", type=int, default=128, help="overlap between context windows in tokens (default 128)")
@@ -97,7 +101,8 @@ def run(args) -> int:
     train_args = TrainArgs(epochs=args.epochs, lr=args.lr, head_lr=args.head_lr, batch_size=args.batch_size,
                            warmup=args.warmup, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
                            seed=args.seed, freeze_encoder=args.freeze_encoder, precision=args.precision,
-                           zero_stage=args.zero_stage, ds_config=args.deepspeed_config)
+                           zero_stage=args.zero_stage, ds_config=args.deepspeed_config,
+                           static_batches=not args.no_static_batches, cuda_graphs=not args.no_cuda_graphs)
     options = {}
     if task == "squad":
         options = dict(doc_stride=args.doc_stride, max_query_len=args.max_query_len,

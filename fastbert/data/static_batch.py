@@ -135,5 +135,6 @@ def pack_examples(rows: Sequence[dict], max_seqlen: int, pad_id: int = 0, granul
     out = {"input_ids": ids, "token_type_ids": types, "position_ids": positions, "cu_seqlens": cu,
            "cls_positions": cu[:len(rows)].astype(np.int64)}
     if rows and "labels" in rows[0]:
-        out["labels"] = np.asarray([r["labels"] for r in rows])
+        labels = np.asarray([r["labels"] for r in rows])
+        out["labels"] = labels.astype(np.float32) if labels.dtype.kind == "f" else labels  # as pad_batch gives
     return out

@@ -51,6 +51,15 @@ class FinetuneTask:
     def collate(self, rows: Sequence[dict]) -> dict[str, torch.Tensor]:
         return pad_batch(rows, self.pad_values)
 
+    static_batches = False  # the head takes packed=... (data/static_batch.pack_examples)
+
+    def collate_static(self, rows: Sequence[dict]) -> dict:
+        """The static-shape batch (``model(packed=...)``) of these rows, as numpy arrays."""
+        from fastbert.data.static_batch import pack_examples
+        packed = pack_examples(rows, self.max_seq_len, self.tokenizer.pad_token_id or 0)
+        packed["max_seqlen"] = self.max_seq_len
+        return {"packed": packed}
+
     def describe(self) -> dict:
         return {"train_features": len(self.train_features)}
 

@@ -144,7 +144,8 @@ def run_finetune(task_name: str, data, model_dir, output: Optional[str] = None, 
         return metrics
 
     t0 = time.perf_counter()
-    result = train(engine, task.train_features, task.collate, args, logger=logger, evaluate=evaluate)
+    collate = task.collate_static if (args.static_batches and task.static_batches) else task.collate
+    result = train(engine, task.train_features, collate, args, logger=logger, evaluate=evaluate)
     wall = time.perf_counter() - t0
     metrics = last.get("metrics", {})
     summary = {

@@ -30,6 +30,7 @@ def encode_examples(examples: list[Example], tokenizer, max_seq_len: int, regres
 
 class GlueFinetuneTask(FinetuneTask):
     model_cls = BertForSequenceClassification
+    static_batches = True
 
     def __init__(self, name: str, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -37,6 +38,8 @@ class TrainArgs:
     precision: str = "auto"          # fp32 | bf16 | fp16 | auto (bf16 on CUDA, fp32 on CPU)
     zero_stage: int = 0
     ds_config: Optional[str] = None  # DeepSpeed JSON with ZeRO / offload settings
+    static_batches: bool = True      # token-bucketed packed batches where the task supports them
+    cuda_graphs: bool = True         # replay static-shape steps from CUDA graphs (CUDA, ZeRO-0, bf16/fp32)
     log_every: int = 10
     progress: bool = True
 
@@ -119,6 +122,23 @@ def total_steps(n: int, batch_size: int, epochs: float, world: int = 1) -> int:
     return max(1, math.ceil(steps_per_epoch(n, batch_size, world) * epochs))
 
 
+def batch_to_device(batch: dict, device: torch.device) -> dict:
+    """Tensors and numpy arrays (also one level down, as in ``{"packed": {...}}``) onto ``device``;
+    on CUDA through pinned memory without waiting (a copy from pageable memory would wait for the
+    GPU to drain first). Other values pass through."""
+    def move(v):
+        if isinstance(v, dict):
+            return {k: move(x) for k, x in v.items()}
+        if isinstance(v, np.ndarray):
+            v = torch.from_numpy(v)
+        if not torch.is_tensor(v):
+            return v
+        if device.type == "cuda" and not v.is_cuda:
+            return v.pin_memory().to(device, non_blocking=True)
+        return v.to(device)
+    return move(batch)
+
+
 def pad_batch(rows: Sequence[dict], pad_values: dict[str, int], device=None) -> dict[str, torch.Tensor]:
     """Stack feature dicts into tensors; list-valued fields are right-padded to the longest row.
 
@@ -165,7 +185,11 @@ def build_finetune_engine(model: torch.nn.Module, groups: list[dict], args: Trai
                           device=dist.device, zero_stage=args.zero_stage, client_optimizer=True)
     ds_engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_view(cfg),
                                               dist_init_required=False)
-    return TrainEngine(ds_engine, dist, cfg, spec, precision)
+    engine = TrainEngine(ds_engine, dist, cfg, spec, precision)
+    graphs_off = engine.enable_cuda_graphs(args.cuda_graphs)
+    if graphs_off is not None and dist.device.type == "cuda" and dist.is_main:
+        print(f"[fastbert] CUDA graphs: {graphs_off}; running eagerly", flush=True)
+    return engine
 
 
 # ---------------------------------------------------------------------------------------- loop
@@ -197,8 +221,7 @@ def train(engine, features: Sequence[dict], collate: Callable[[list], dict], arg
             if step >= n_total:
                 break
             set_group_lrs(engine.ds.optimizer, lr_multiplier(step, n_total, args.warmup))
-            batch = collate([features[i] for i in idx])
-            batch = {k: v.to(engine.device) for k, v in batch.items()}
+            batch = batch_to_device(collate([features[i] for i in idx]), engine.device)
             loss = engine(**batch).loss
             engine.backward(loss)
             engine.step()

@@ -60,6 +60,9 @@ KEYS: list[tuple[str, object, str, str]] = [
     ("train.zero_stage", "auto", "choice:auto|0|1|2|3?",
      "ZeRO stage: auto = 0 on one rank (fastest measured) unless the JSON offloads or asks for ZeRO-3, else the "
      "JSON's; a number overrides the JSON's; null = the JSON's"),
+    ("train.cuda_graphs", True, "bool",
+     "replay forward + backward from CUDA graphs (static shapes, ZeRO-0, bf16/fp32 on CUDA; else eager, "
+     "with the reason logged)"),
     ("train.seed", 42, "int>=0", "seed of the initial weights, the data order, masking and dropout"),
     ("train.deterministic", False, "bool", "bit-identical loss curves for the same seed and hardware (slower)"),
     ("train.clock", "monotonic", "clock", "time source of the schedule; tests: 'fake:TICK[:SKEW]'"),

@@ -270,6 +270,17 @@ class TrainEngine:
         self.clipping = float(ds_config.get("fastbert_clipping", 0.0))
         self._grad_norm: Optional[torch.Tensor] = None
         self._clipped = False                    # the guard clipped this step already (to read the norm)
+        self.graphs = None                       # a GraphedModel once enable_cuda_graphs succeeded
+
+    def enable_cuda_graphs(self, enabled: bool = True) -> Optional[str]:
+        """Replay static-shape (``packed=...``) training steps from CUDA graphs
+        (``training/cuda_graphs.py``). Returns None when on, else the one-line reason it is off."""
+        from fastbert.training.cuda_graphs import GraphedModel, unsupported_reason
+        reason = "off (cuda_graphs=false)" if not enabled else \
+            unsupported_reason(self.device, self.precision, self.zero_stage,
+                               bool(self.ds.wall_clock_breakdown() or self.ds.flops_profiler_enabled()))
+        self.graphs = GraphedModel(self.module, self.precision) if reason is None else None
+        return reason
 
     # -- forwarding ---------------------------------------------------------------------------
     @property
@@ -323,6 +334,10 @@ class TrainEngine:
         return float(norm.item() if torch.is_tensor(norm) else norm)
 
     def __call__(self, *args, **kwargs):
+        if self.graphs is not None and not args and "packed" in kwargs:
+            out = self.graphs(kwargs["packed"])
+            if out is not None:
+                return out
         return self.ds(*args, **kwargs)
 
     def train(self, mode: bool = True):
@@ -345,6 +360,8 @@ class TrainEngine:
         return float(self.ds.optimizer.param_groups[0]["lr"])
 
     def backward(self, loss: torch.Tensor) -> None:
+        if self.graphs is not None and self.grad_accum > 1 and self._micro == 0:
+            self.graphs.own_grads()
         self.ds.backward(loss)
 
     def clip_gradients(self) -> Optional[torch.Tensor]:

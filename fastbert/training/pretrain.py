@@ -309,6 +309,9 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict
                                      gradient_clipping=t_cfg["gradient_clipping"],
                                      zero_stage=zero_stage,
                                      dist=dist)
+    graphs_off = engine.enable_cuda_graphs(t_cfg["cuda_graphs"])
+    if graphs_off is not None and dist.device.type == "cuda":
+        log.print(f"[fastbert] CUDA graphs: {graphs_off}; running eagerly")
     r.guard = guard = SpikeGuard(cfg["guard"], dist.rank, dist.device)
     install_guard(engine, guard)
     _seed_all(seed + 1000 * (dist.rank + 1))          # per-rank dropout streams

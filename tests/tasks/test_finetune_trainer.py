@@ -148,3 +148,46 @@ def test_regression_head_as_hf_run_glue(minilm_dir):
         ours, theirs = fb(**batch), hf(**batch)
     torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours.loss, theirs.loss, atol=1e-5, rtol=1e-5)
+
+
+def test_finetune_steps_read_nothing_back_between_logs(monkeypatch):
+    """The fine-tuning loop on static batches (the GPU path; Triton's interpreter here) reads no value
+    from the device inside a step: Tensor.item / tolist / __bool__ / nonzero run only at the
+    log_every steps, where the losses of the window are read together. Two reads are of host tensors
+    by design and allowed: the epoch's permutation (drawn with a CPU generator, once an epoch) and
+    the step counters of torch's foreach AdamW, the CPU optimizer (CUDA uses the fused AdamW, whose
+    counters stay on the device and are never read)."""
+    import sys
+
+    import numpy as np
+    from fastbert.data.static_batch import pack_examples
+    from fastbert.tasks.trainer import TrainArgs, build_finetune_engine, train
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                     max_position_embeddings=32, num_labels=2, kernels="triton")
+    model = BertForSequenceClassification(cfg)
+    args = TrainArgs(epochs=1, batch_size=4, log_every=3, progress=False, precision="fp32", seed=0)
+    engine = build_finetune_engine(model, param_groups(model, args.lr, None, args.weight_decay, False), args)
+    rng = np.random.default_rng(0)
+    features = [{"input_ids": [1] + rng.integers(5, 100, size=int(rng.integers(3, 20))).tolist() + [2],
+                 "labels": int(rng.integers(0, 2))} for _ in range(24)]
+    steps, reads = [], []
+    engine_step = engine.step
+
+    def counted_step():
+        applied = engine_step()
+        steps.append(applied)
+        return applied
+    monkeypatch.setattr(engine, "step", counted_step)
+    for name in ("item", "tolist", "__bool__", "nonzero"):
+        def read(self, *a, _orig=getattr(torch.Tensor, name), _name=name, **k):
+            caller = sys._getframe(1)
+            host = caller.f_code.co_name == "epoch_batches" or "torch/optim/" in caller.f_code.co_filename
+            if not host:
+                reads.append((len(steps), f"{_name} in {caller.f_code.co_filename}:{caller.f_lineno}"))
+            return _orig(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, read)
+    result = train(engine, features, lambda rows: {"packed": {**pack_examples(rows, 32), "max_seqlen": 32}}, args)
+    monkeypatch.undo()
+    assert len(steps) == 6 and result.steps == 6 and len(result.losses) == 6
+    assert reads and all(n in (3, 6) for n, _ in reads), [r for r in reads if r[0] not in (3, 6)][:3]

@@ -1,0 +1,126 @@
+"""CUDA graphs of the static-shape step (training/cuda_graphs.py): a replay gives the eager step's
+loss and gradients, draws new dropout masks each time, accumulates gradients over micro-batches
+correctly, and falls back to eager (with a reason) where it cannot work."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fastbert import BertConfig, BertForSequenceClassification
+from fastbert.data.static_batch import pack_examples
+from fastbert.training.cuda_graphs import GraphedModel, unsupported_reason
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+SEQ = 32
+
+
+def test_reasons_for_eager():
+    assert unsupported_reason(torch.device("cpu"), "fp32", 0) == "CUDA graphs need a CUDA device"
+    cuda = torch.device("cuda")
+    assert "fp16" in unsupported_reason(cuda, "fp16", 0)
+    assert "ZeRO-0" in unsupported_reason(cuda, "bf16", 2)
+    assert "wall_clock_breakdown" in unsupported_reason(cuda, "bf16", 0, ds_profiling=True)
+    assert unsupported_reason(cuda, "bf16", 0) is None and unsupported_reason(cuda, "fp32", 0) is None
+
+
+def _model(dropout: float):
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=101, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=128, max_position_embeddings=SEQ, hidden_dropout_prob=dropout,
+                     attention_probs_dropout_prob=dropout, num_labels=3, kernels="triton")
+    return BertForSequenceClassification(cfg).cuda().train()
+
+
+def _batch(seed: int):
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(8):
+        n = int(rng.integers(5, SEQ))
+        rows.append({"input_ids": [1] + rng.integers(5, 101, size=n - 2).tolist() + [2],
+                     "token_type_ids": [0] * n, "labels": int(rng.integers(0, 3))})
+    packed = {k: torch.as_tensor(v, device="cuda") for k, v in pack_examples(rows, SEQ).items()}
+    packed["max_seqlen"] = SEQ
+    return packed
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_replay_equals_eager_step(precision):
+    model = _model(0.0)
+    graphed = GraphedModel(model, precision)
+    packed = _batch(0)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16")
+    with autocast:
+        ref = model(packed=packed)
+    ref.loss.backward()
+    g_ref = _grads(model)
+    outs = []
+    for _ in range(3):                       # eager (first sight), capture + replay, replay
+        model.zero_grad(set_to_none=True)
+        with autocast:
+            out = graphed(packed) or model(packed=packed)
+        out.loss.backward()
+        outs.append((out.loss.detach().clone(), _grads(model)))
+    assert graphed.replays == 2 and len(graphed.graphs) == 1
+    # The same kernels replayed; cuBLAS may pick another algorithm inside a capture (fp32: ~1e-6), and
+    # bf16 rounds each GEMM's inputs (the eager reference ran under autocast too, so only the order differs).
+    tol = dict(rtol=1e-5, atol=1e-6) if precision == "fp32" else dict(rtol=2e-2, atol=2e-3)
+    for loss, g in outs:
+        torch.testing.assert_close(loss, ref.loss.detach(), **tol)
+        for name in g_ref:
+            torch.testing.assert_close(g[name], g_ref[name], **tol, msg=name)
+
+
+@gpu
+@needs_cuda
+def test_replays_draw_new_dropout_masks():
+    model = _model(0.1)
+    graphed = GraphedModel(model, "fp32")
+    packed = _batch(1)
+    losses = []
+    for _ in range(4):
+        out = graphed(packed) or model(packed=packed)
+        out.loss.backward()
+        losses.append(float(out.loss))
+    assert graphed.replays == 3
+    assert len(set(losses[1:])) == 3, losses   # every replay another mask
+
+
+@gpu
+@needs_cuda
+def test_accumulated_gradients_over_replays():
+    """Two micro-batches per step from graphs: .grad is the sum of both (own_grads), not the last."""
+    model = _model(0.0)
+    graphed = GraphedModel(model, "fp32")
+    a, b = _batch(2), _batch(2)
+    b["labels"] = (b["labels"] + 1) % 3                        # same shapes, another loss
+    for _ in range(2):                                         # first sight, then capture
+        graphed(a) or model(packed=a)
+    model.zero_grad(set_to_none=True)
+    model(packed=a).loss.backward()
+    model(packed=b).loss.backward()
+    g_ref = _grads(model)
+    for _ in range(2):                                         # two steps, both from replays
+        model.zero_grad(set_to_none=True)
+        graphed.own_grads()
+        graphed(a).loss.backward()
+        graphed(b).loss.backward()
+        for name in g_ref:
+            torch.testing.assert_close(model.get_parameter(name).grad, g_ref[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@gpu
+@needs_cuda
+def test_eval_mode_runs_eagerly():
+    model = _model(0.1)
+    graphed = GraphedModel(model, "fp32")
+    packed = _batch(3)
+    model.eval()
+    assert graphed(packed) is None and graphed(packed) is None and not graphed.graphs
