@@ -18,8 +18,9 @@ loader thread; the model's static entry point is ``BertForPreTraining(..., packe
 Fine-tuning (``pack_examples``): a batch's examples lie back to back, one ``cu_seqlens`` segment
 each, followed by padding tokens up to a token bucket (``token_bucket``: 64 x 1, 2, 3, 4, 6, 8,
 12, ...; above 128 tokens at most 1.5x the real count) in ``ceil(bucket / max_seqlen)`` segments
-of at most ``max_seqlen`` tokens (empty ones have length 0). So a batch's shapes depend only on (bucket, examples), a few
-values repeat all run long, and the loss is HF's per-example loss: padding is never pooled.
+of at most ``max_seqlen`` tokens (empty ones have length 0). So a batch's shapes depend only on
+(bucket, examples), a few values repeat all run long, and the loss is HF's per-example loss:
+padding is never pooled.
 """
 from __future__ import annotations
 

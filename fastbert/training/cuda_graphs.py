@@ -2,13 +2,18 @@
 
 A training step on a small batch is mostly host time: hundreds of kernel launches through Python
 and autograd for a few milliseconds of GPU work. With static shapes (``data/static_batch.py``) the
-forward and backward can be recorded once per shape and replayed as two graph launches
-(``torch.cuda.make_graphed_callables``). What stays eager: moving the batch into the graph's input
-buffers, the gradient hand-off to ``.grad``, DeepSpeed's gradient reduction, clipping and the
-optimizer step (torch's fused AdamW: a few launches).
+forward and the backward are recorded once per shape and replayed as one graph launch each (the
+scheme of ``torch.cuda.make_graphed_callables``, written out here because of the stream rule
+below). What stays eager: copying the batch into the graph's input buffers, the gradient hand-off
+to ``.grad``, DeepSpeed's gradient reduction, clipping and the optimizer step (torch's fused AdamW:
+a few launches).
 
 Rules that keep replays equal to eager steps:
 
+- training runs on one side stream (``activate``): the autograd engine syncs a gradient into the
+  stream its parameter's accumulator was created on, so eager steps and captures share the stream
+  (capturing next to accumulators made on the legacy default stream fails); captures are
+  thread-local, so the data loader's thread may pin memory meanwhile;
 - a shape is captured the second time it is seen (the first runs eagerly and pays Triton's
   compilation and tuning outside any capture), at most ``max_graphs`` shapes; others run eagerly;
 - dropout draws its seeds on the device (``ops/_common.dropout_seed``) and torch's own dropout is
@@ -19,7 +24,7 @@ Rules that keep replays equal to eager steps:
 - with gradient accumulation, ``.grad`` lives in a buffer of ours from the first micro-batch of a
   step, so the graph's gradient outputs are added into it rather than kept (a replay would
   overwrite them);
-- eval mode, and any batch without ``packed``, runs the eager model.
+- eval mode, no-grad calls and any batch without ``packed`` run the eager model.
 """
 from __future__ import annotations
 
@@ -32,7 +37,8 @@ import torch
 from fastbert.model import ModelOutput
 
 
-def unsupported_reason(device: torch.device, precision: str, zero_stage: int, ds_profiling: bool = False) -> Optional[str]:
+def unsupported_reason(device: torch.device, precision: str, zero_stage: int,
+                       ds_profiling: bool = False) -> Optional[str]:
     """Why CUDA graphs cannot be used for this run (one line), or None. A replay bypasses DeepSpeed's
     forward (at ZeRO-0 it only starts timers and registers the backward prologue, which only
     starts timers): so not with its wall-clock breakdown or flops profiler on."""
@@ -47,19 +53,59 @@ def unsupported_reason(device: torch.device, precision: str, zero_stage: int, ds
     return None
 
 
-class _PackedStep(torch.nn.Module):
-    """``model(packed=...)`` as a module of tensors in, tensors out (what graph capture takes)."""
+class _Captured:
+    """One shape's forward and backward graphs with their static buffers."""
 
-    def __init__(self, model: torch.nn.Module, names: tuple, scalars: dict):
-        super().__init__()
-        self.model = model
-        self.names, self.scalars = names, scalars
-        self.out_names: tuple = ()
+    def __init__(self, model: torch.nn.Module, packed: dict, autocast, stream, warmup: int = 2):
+        self.names = tuple(k for k, v in sorted(packed.items()) if torch.is_tensor(v))
+        scalars = {k: v for k, v in packed.items() if not torch.is_tensor(v)}
+        self.inputs = tuple(packed[k].clone() for k in self.names)
+        self.params = tuple(p for p in model.parameters() if p.requires_grad)
 
-    def forward(self, *tensors):
-        out = self.model(packed={**dict(zip(self.names, tensors)), **self.scalars})
-        self.out_names = tuple(k for k, v in out.items() if torch.is_tensor(v))
-        return tuple(out[k] for k in self.out_names)
+        def forward():
+            out = model(packed={**dict(zip(self.names, self.inputs)), **scalars})
+            return {k: v for k, v in out.items() if torch.is_tensor(v)}
+
+        def backward(outs, grad_outs):
+            with_grad = [v for v in outs.values() if v.requires_grad]
+            return torch.autograd.grad(with_grad, self.params, grad_outs, allow_unused=True)
+
+        pool = torch.cuda.graph_pool_handle()
+        capture = dict(pool=pool, stream=stream, capture_error_mode="thread_local")
+        with autocast:
+            for _ in range(warmup):   # the graph's allocations and lazy initializations, outside capture
+                outs = forward()
+                backward(outs, [torch.ones_like(v) for v in outs.values() if v.requires_grad])
+            self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.fwd, **capture):
+                self.outs = forward()
+            self.grad_outs = [torch.zeros_like(v) for v in self.outs.values() if v.requires_grad]
+            with torch.cuda.graph(self.bwd, **capture):
+                self.grads = backward(self.outs, self.grad_outs)
+
+
+class _Replay(torch.autograd.Function):
+    """Autograd sees the replayed step as one op of the batch and the parameters."""
+
+    @staticmethod
+    def forward(ctx, cap: _Captured, *tensors):
+        for buf, t in zip(cap.inputs, tensors[:len(cap.inputs)]):
+            buf.copy_(t)
+        cap.fwd.replay()
+        ctx.cap = cap
+        outs = tuple(v.detach() for v in cap.outs.values())
+        ctx.mark_non_differentiable(*(o for o, v in zip(outs, cap.outs.values()) if not v.requires_grad))
+        return outs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        cap = ctx.cap
+        with_grad = [g for g, v in zip(grads, cap.outs.values()) if v.requires_grad]
+        for buf, g in zip(cap.grad_outs, with_grad):
+            buf.copy_(g)
+        cap.bwd.replay()
+        return (None,) + (None,) * len(cap.inputs) + tuple(g.detach() if g is not None else None for g in cap.grads)
 
 
 class GraphedModel:
@@ -72,7 +118,13 @@ class GraphedModel:
         self.graphs: dict = {}
         self.seen: Counter = Counter()
         self.replays = 0
+        self.stream = torch.cuda.Stream()
         self._grads: Optional[list] = None
+
+    def activate(self) -> None:
+        """Make the training stream this thread's current CUDA stream (see the module docstring)."""
+        self.stream.wait_stream(torch.cuda.current_stream())
+        torch.cuda.set_stream(self.stream)
 
     @staticmethod
     def _key(packed: dict) -> tuple:
@@ -82,29 +134,27 @@ class GraphedModel:
         """The model's output for this batch from a graph, or None: run the model eagerly."""
         if not self.model.training or not torch.is_grad_enabled():
             return None
+        if torch.cuda.current_stream() != self.stream:
+            raise RuntimeError("CUDA graphs: training must run on GraphedModel.stream (call activate() first)")
         key = self._key(packed)
-        step = self.graphs.get(key)
-        if step is None:
+        cap = self.graphs.get(key)
+        if cap is None:
             self.seen[key] += 1
             if self.seen[key] < 2 or len(self.graphs) >= self.max_graphs:
                 return None
-            step = self.graphs[key] = self._capture(packed)
-        outs = step(*(packed[k] for k in step.names))
+            autocast = torch.autocast("cuda", dtype=self.autocast, cache_enabled=False) if self.autocast \
+                else contextlib.nullcontext()
+            try:
+                cap = self.graphs[key] = _Captured(self.model, packed, autocast, self.stream)
+            except RuntimeError as e:  # something in the step cannot be captured: eager from now on
+                self.max_graphs = len(self.graphs)
+                print(f"[fastbert] CUDA graphs: capture failed ({str(e).splitlines()[0]}); running eagerly",
+                      flush=True)
+                return None
+        outs = _Replay.apply(cap, *(packed[k] for k in cap.names), *cap.params)
         self.replays += 1
         # Copies: the graph's output buffers are overwritten by the next replay (clone keeps autograd).
-        return ModelOutput(**{k: v.clone() for k, v in zip(step.out_names, outs)})
-
-    def _capture(self, packed: dict) -> _PackedStep:
-        names = tuple(k for k, v in sorted(packed.items()) if torch.is_tensor(v))
-        scalars = {k: v for k, v in packed.items() if not torch.is_tensor(v)}
-        step = _PackedStep(self.model, names, scalars)
-        sample = tuple(packed[k] for k in names)
-        autocast = torch.autocast("cuda", dtype=self.autocast, cache_enabled=False) if self.autocast \
-            else contextlib.nullcontext()
-        with autocast:
-            graphed = torch.cuda.make_graphed_callables(step, sample, allow_unused_input=True)
-        graphed.names, graphed.out_names = names, step.out_names
-        return graphed
+        return ModelOutput(**{k: v.clone() for k, v in zip(cap.outs, outs)})
 
     def own_grads(self) -> None:
         """Before the first backward of an accumulated optimizer step: zeroed gradients in a buffer of

@@ -204,6 +204,9 @@ def build_ds_config(base, *, micro_batch_size: int, global_batch_size: int, worl
     cfg["fastbert_clipping"] = 0.0
     cfg.setdefault("steps_per_print", 2 ** 31 - 1)
     cfg.setdefault("wall_clock_breakdown", False)
+    # DeepSpeed's throughput timer synchronizes the device at every forward (and would break a CUDA graph
+    # capture); fastbert measures throughput itself.
+    cfg.setdefault("timers", {"throughput": {"enabled": False}})
     precision = resolve_precision(precision, device)
     fp16 = dict(cfg.get("fp16", {}))
     bf16 = dict(cfg.get("bf16", {}))
@@ -280,6 +283,8 @@ class TrainEngine:
             unsupported_reason(self.device, self.precision, self.zero_stage,
                                bool(self.ds.wall_clock_breakdown() or self.ds.flops_profiler_enabled()))
         self.graphs = GraphedModel(self.module, self.precision) if reason is None else None
+        if self.graphs is not None:
+            self.graphs.activate()
         return reason
 
     # -- forwarding ---------------------------------------------------------------------------

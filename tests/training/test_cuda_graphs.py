@@ -25,6 +25,20 @@ def test_reasons_for_eager():
     assert unsupported_reason(cuda, "bf16", 0) is None and unsupported_reason(cuda, "fp32", 0) is None
 
 
+@pytest.fixture(autouse=True)
+def default_stream_after():
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.set_stream(torch.cuda.default_stream())
+
+
+def _graphed(model, precision):
+    graphed = GraphedModel(model, precision)
+    graphed.activate()
+    return graphed
+
+
 def _model(dropout: float):
     torch.manual_seed(0)
     cfg = BertConfig(vocab_size=101, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -40,7 +54,7 @@ def _batch(seed: int):
         n = int(rng.integers(5, SEQ))
         rows.append({"input_ids": [1] + rng.integers(5, 101, size=n - 2).tolist() + [2],
                      "token_type_ids": [0] * n, "labels": int(rng.integers(0, 3))})
-    packed = {k: torch.as_tensor(v, device="cuda") for k, v in pack_examples(rows, SEQ).items()}
+    packed = {k: torch.as_tensor(v).cuda(non_blocking=False) for k, v in pack_examples(rows, SEQ).items()}
     packed["max_seqlen"] = SEQ
     return packed
 
@@ -54,8 +68,9 @@ def _grads(model):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_replay_equals_eager_step(precision):
     model = _model(0.0)
-    graphed = GraphedModel(model, precision)
+    graphed = _graphed(model, precision)
     packed = _batch(0)
+    assert torch.cuda.current_stream() == graphed.stream
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16")
     with autocast:
         ref = model(packed=packed)
@@ -82,7 +97,7 @@ def test_replay_equals_eager_step(precision):
 @needs_cuda
 def test_replays_draw_new_dropout_masks():
     model = _model(0.1)
-    graphed = GraphedModel(model, "fp32")
+    graphed = _graphed(model, "fp32")
     packed = _batch(1)
     losses = []
     for _ in range(4):
@@ -98,7 +113,7 @@ def test_replays_draw_new_dropout_masks():
 def test_accumulated_gradients_over_replays():
     """Two micro-batches per step from graphs: .grad is the sum of both (own_grads), not the last."""
     model = _model(0.0)
-    graphed = GraphedModel(model, "fp32")
+    graphed = _graphed(model, "fp32")
     a, b = _batch(2), _batch(2)
     b["labels"] = (b["labels"] + 1) % 3                        # same shapes, another loss
     for _ in range(2):                                         # first sight, then capture
@@ -120,7 +135,34 @@ def test_accumulated_gradients_over_replays():
 @needs_cuda
 def test_eval_mode_runs_eagerly():
     model = _model(0.1)
-    graphed = GraphedModel(model, "fp32")
+    graphed = _graphed(model, "fp32")
     packed = _batch(3)
     model.eval()
     assert graphed(packed) is None and graphed(packed) is None and not graphed.graphs
+
+
+@gpu
+@needs_cuda
+def test_finetune_loop_replays_graphs():
+    """The fine-tuning loop through DeepSpeed (the `fastbert finetune` path) on token-bucketed batches:
+    shapes seen twice are captured, later steps replay, the losses stay finite and learn."""
+    pytest.importorskip("deepspeed")
+    from fastbert.tasks.trainer import TrainArgs, build_finetune_engine, param_groups, train
+    model = _model(0.1)
+    args = TrainArgs(epochs=4, batch_size=8, lr=1e-3, log_every=5, progress=False, precision="bf16", seed=0)
+    engine = build_finetune_engine(model, param_groups(model, args.lr, None, args.weight_decay, False), args)
+    assert engine.graphs is not None and torch.cuda.current_stream() == engine.graphs.stream
+    rng = np.random.default_rng(5)
+    features = []
+    for _ in range(64):
+        n = int(rng.integers(5, SEQ))
+        label = int(rng.integers(0, 3))
+        features.append({"input_ids": [1, 5 + label] + rng.integers(10, 101, size=n - 3).tolist() + [2],
+                         "token_type_ids": [0] * n, "labels": label})
+
+    def collate(rows):
+        return {"packed": {**pack_examples(rows, SEQ), "max_seqlen": SEQ}}
+    result = train(engine, features, collate, args)
+    assert result.steps == 32 and engine.graphs.replays > 0 and len(engine.graphs.graphs) >= 1
+    losses = [v for _, v in result.losses]
+    assert all(np.isfinite(losses)) and np.mean(losses[-8:]) < np.mean(losses[:8])
