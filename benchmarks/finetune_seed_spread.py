@@ -14,6 +14,13 @@ score 5.0 x (paraphrase label), a float target in STS-B's 0..5 range, trained wi
   ``transformers.set_seed(S)``, a shuffled DataLoader with ``DataCollatorWithPadding``, torch AdamW
   (weight decay 0.01 except biases and LayerNorm, eps 1e-8), ``get_linear_schedule_with_warmup`` with
   10% warmup, gradient clipping at 1.0.
+* hf-ref (``--systems fastbert,hf,hf-ref``): HF's model trained by ``fastbert.tasks.hf_reference`` with
+  fastbert's loop and seeding (the same features, epoch orders, initial head and schedule as
+  ``fastbert finetune``, no DeepSpeed). fastbert vs hf-ref isolates fastbert's model, kernels and engine;
+  hf-ref vs hf isolates the seeding (epoch orders, head init, dropout streams).
+
+On a GPU (``--device cuda``) every system runs bf16 autocast over fp32 weights (``--precision bf16``,
+fastbert's default there) or plain fp32 (``--precision fp32``, also passed to ``fastbert finetune``).
 
 Each finished run is stored as OUT/<system>-seed<S>.json and reused on a rerun; the summary table
 (mean, std, min, max of dev Pearson per system) goes to stdout and OUT/summary.json.
@@ -67,7 +74,8 @@ def pearson_spearman(pred, gold) -> dict:
 def run_fastbert(data: Path, model: str, seed: int, args, out: Path) -> dict:
     cmd = [sys.executable, "-m", "fastbert.cli", "finetune", "--task", "stsb", "--data", str(data), "--model", model,
            "--output", str(out), "--lr", str(args.lr), "--epochs", str(args.epochs), "--batch-size",
-           str(args.batch_size), "--seed", str(seed), "--no-save-model", *args.fastbert_args.split()]
+           str(args.batch_size), "--seed", str(seed), "--no-save-model",
+           *(["--precision", "fp32"] if args.precision == "fp32" else []), *args.fastbert_args.split()]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     env.pop("TRITON_INTERPRET", None)
@@ -92,8 +100,9 @@ def run_hf(data: Path, model_dir: str, seed: int, args) -> dict:
     tok = BertTokenizerFast.from_pretrained(model_dir)
     dev_name = args.device
     model = BertForSequenceClassification.from_pretrained(model_dir, num_labels=1, torch_dtype=torch.float32).to(dev_name)
-    # On a GPU both systems run bf16 autocast over fp32 weights (fastbert's default there, HF Trainer's bf16=True).
-    amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev_name == "cuda")
+    # On a GPU every system runs bf16 autocast over fp32 weights (fastbert's default there, HF Trainer's
+    # bf16=True) unless --precision fp32.
+    amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast_dtype(args) is not None)
 
     def load(split):
         rows = [line.split("\t") for line in (data / f"{split}.tsv").read_text(encoding="utf-8").splitlines()[1:]]
@@ -138,6 +147,39 @@ def run_hf(data: Path, model_dir: str, seed: int, args) -> dict:
             "steps": step}
 
 
+def autocast_dtype(args):
+    import torch
+    return torch.bfloat16 if args.device == "cuda" and args.precision == "bf16" else None
+
+
+def run_hf_ref(data: Path, model_dir: str, seed: int, args) -> dict:
+    """HF's model trained with fastbert's loop and seeding (fastbert.tasks.hf_reference)."""
+    import torch
+
+    from fastbert.tasks.finetune import make_task
+    from fastbert.tasks.hf_reference import hf_finetune, load_hf_model
+    from fastbert.tasks.trainer import TrainArgs
+    from fastbert.tokenization import load_tokenizer
+
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    task = make_task("stsb", data, load_tokenizer(Path(model_dir)), 128)
+    task.prepare()
+    targs = TrainArgs(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=seed, progress=False)
+    model = load_hf_model(task, model_dir, seed)
+    run = hf_finetune(task, model, targs, device=torch.device(args.device), autocast_dtype=autocast_dtype(args))
+    return {"pearson": run["metrics"]["pearson"], "spearman": run["metrics"]["spearman"],
+            "wall_s": time.perf_counter() - t0, "steps": run["steps"]}
+
+
+# system name -> run(data, seed, args, out) -> {"pearson", "spearman", "wall_s", "steps"}
+SYSTEMS = {
+    "fastbert": lambda data, seed, args, out: run_fastbert(data, args.model, seed, args, out / f"fastbert-seed{seed}"),
+    "hf": lambda data, seed, args, out: run_hf(data, args.model, seed, args),
+    "hf-ref": lambda data, seed, args, out: run_hf_ref(data, args.model, seed, args),
+}
+
+
 def summarize(results: dict) -> dict:
     import numpy as np
     out = {}
@@ -156,27 +198,32 @@ def main(argv=None) -> int:
     p.add_argument("--glue", default=str(REPO.parent / "shared" / "data" / "glue"))
     p.add_argument("--out", default="runs/seed-spread")
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--systems", default="fastbert,hf")
+    p.add_argument("--systems", default="fastbert,hf", help=f"comma-separated, of: {', '.join(SYSTEMS)}")
     p.add_argument("--train", type=int, default=640, help="MRPC training pairs (default 640; 0 = all 3,668)")
     p.add_argument("--fastbert-args", default="", help="extra `fastbert finetune` flags, e.g. '--kernels torch'")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="where the HF loop runs (fastbert finetune picks the GPU itself when there is one)")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"),
+                   help="on a GPU: bf16 autocast over fp32 weights (default) or fp32, for every system")
     p.add_argument("--dev", type=int, default=408, help="MRPC dev pairs (default 408 = all)")
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--epochs", type=float, default=3.0)
     p.add_argument("--batch-size", type=int, default=32)
     args = p.parse_args(argv)
+    systems = args.systems.split(",")
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        p.error(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
     out = Path(args.out)
     data = make_regression_set(Path(args.glue), out / "data", args.train, args.dev)
     results: dict = {}
     for seed in [int(s) for s in args.seeds.split(",")]:
-        for system in args.systems.split(","):
+        for system in systems:
             path = out / f"{system}-seed{seed}.json"
             if path.is_file():
                 run = json.loads(path.read_text())
             else:
-                run = (run_fastbert(data, args.model, seed, args, out / f"fastbert-seed{seed}") if system == "fastbert"
-                       else run_hf(data, args.model, seed, args))
+                run = SYSTEMS[system](data, seed, args, out)
                 path.write_text(json.dumps(run, indent=1) + "\n")
             results.setdefault(system, {})[seed] = run
             print(f"{system:9s} seed {seed}: pearson {run['pearson']:.4f} spearman {run['spearman']:.4f} "
