@@ -37,13 +37,15 @@ import torch
 from fastbert.model import ModelOutput
 
 
-def unsupported_reason(device: torch.device, precision: str, zero_stage: int,
+def unsupported_reason(device: torch.device, precision: str, zero_stage: int, kernels: str = "triton",
                        ds_profiling: bool = False) -> Optional[str]:
     """Why CUDA graphs cannot be used for this run (one line), or None. A replay bypasses DeepSpeed's
     forward (at ZeRO-0 it only starts timers and registers the backward prologue, which only
     starts timers): so not with its wall-clock breakdown or flops profiler on."""
     if device.type != "cuda":
         return "CUDA graphs need a CUDA device"
+    if kernels != "triton":
+        return f"CUDA graphs need kernels='triton' (the {kernels!r} reference path reads lengths from the device)"
     if precision == "fp16":
         return "CUDA graphs are not used with fp16 (DeepSpeed's loss scaling runs eagerly); use bf16"
     if zero_stage != 0:
@@ -146,11 +148,11 @@ class GraphedModel:
                 else contextlib.nullcontext()
             try:
                 cap = self.graphs[key] = _Captured(self.model, packed, autocast, self.stream)
-            except RuntimeError as e:  # something in the step cannot be captured: eager from now on
-                self.max_graphs = len(self.graphs)
-                print(f"[fastbert] CUDA graphs: capture failed ({str(e).splitlines()[0]}); running eagerly",
-                      flush=True)
-                return None
+            except RuntimeError as e:
+                # A failed capture leaves torch's CUDA generator unusable for the rest of the process:
+                # no eager fallback is safe, so stop with what to change.
+                raise RuntimeError(f"CUDA graph capture of the training step failed ({str(e).splitlines()[0]}); "
+                                   "rerun with train.cuda_graphs=false (fastbert finetune --no-cuda-graphs)") from e
         outs = _Replay.apply(cap, *(packed[k] for k in cap.names), *cap.params)
         self.replays += 1
         # Copies: the graph's output buffers are overwritten by the next replay (clone keeps autograd).

@@ -281,6 +281,7 @@ class TrainEngine:
         from fastbert.training.cuda_graphs import GraphedModel, unsupported_reason
         reason = "off (cuda_graphs=false)" if not enabled else \
             unsupported_reason(self.device, self.precision, self.zero_stage,
+                               getattr(getattr(self.module, "config", None), "kernels", "triton"),
                                bool(self.ds.wall_clock_breakdown() or self.ds.flops_profiler_enabled()))
         self.graphs = GraphedModel(self.module, self.precision) if reason is None else None
         if self.graphs is not None:

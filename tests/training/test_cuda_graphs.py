@@ -21,6 +21,7 @@ def test_reasons_for_eager():
     cuda = torch.device("cuda")
     assert "fp16" in unsupported_reason(cuda, "fp16", 0)
     assert "ZeRO-0" in unsupported_reason(cuda, "bf16", 2)
+    assert "kernels='triton'" in unsupported_reason(cuda, "bf16", 0, kernels="torch")
     assert "wall_clock_breakdown" in unsupported_reason(cuda, "bf16", 0, ds_profiling=True)
     assert unsupported_reason(cuda, "bf16", 0) is None and unsupported_reason(cuda, "fp32", 0) is None
 
