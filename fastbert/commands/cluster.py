@@ -27,7 +27,7 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from fastbert.cli import UsageError
+    from fastbert.errors import UsageError
     from fastbert.embeddings import encode_sentences
     from fastbert.io import atomic_write_text
     from fastbert.tasks.clustering import kmeans

@@ -29,7 +29,7 @@ def run(args) -> int:
     import torch
 
     from fastbert import BertModel
-    from fastbert.cli import UsageError
+    from fastbert.errors import UsageError
     from fastbert.embeddings import encode_sentences, read_lines, top_k
     from fastbert.io import atomic_path
     from fastbert.tokenization import load_tokenizer

@@ -17,7 +17,7 @@ def load_encoder(model_dir, kernels: Optional[str] = None, device: Optional[str]
     taken). fp32 on the CPU, bf16 on CUDA unless ``FASTBERT_FP32=1``."""
     import os
 
-    from fastbert.cli import UsageError
+    from fastbert.errors import UsageError
     from fastbert.model import BertModel
     from fastbert.tokenization import load_tokenizer
 
@@ -49,7 +49,7 @@ def read_inputs(path, pair_separator: str = " ||| ", column: Optional[str] = Non
     numbers (every row is data). Without ``column`` the GLUE layout is recognised
     (``fastbert.data.glue.text_columns``: SST-2's ``sentence``, MRPC's ``#1 String`` / ``#2 String``,
     CoLA's header-less 4th column, ...); labels and ids are never read as text."""
-    from fastbert.cli import UsageError
+    from fastbert.errors import UsageError
     from fastbert.textio import READ_ERRORS, open_text, unreadable
 
     path = Path(path)
@@ -82,8 +82,8 @@ def read_inputs(path, pair_separator: str = " ||| ", column: Optional[str] = Non
 
 def _columns(path: Path, rows: dict[int, list[str]], column, pair_column) -> tuple[list[str], list[Optional[str]]]:
     """The text (and pair) column of tab-separated ``rows`` ({line number: fields}); see read_inputs."""
-    from fastbert.cli import UsageError
     from fastbert.data.glue import text_columns
+    from fastbert.errors import UsageError
 
     if not rows:
         return [], []
@@ -115,7 +115,7 @@ def _columns(path: Path, rows: dict[int, list[str]], column, pair_column) -> tup
 
 
 def _column_index(path: Path, header: list[str], name: str) -> int:
-    from fastbert.cli import UsageError
+    from fastbert.errors import UsageError
 
     if str(name).isdigit():
         return int(name)

@@ -24,8 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fastbert.data.glue import DataError
 from fastbert.data.sentence_pairs import SentencePair, read_pairs
+from fastbert.errors import DataError
 from fastbert.model import BertModel, ModelOutput, mean_pool
 from fastbert.tasks.base import batch_rows
 from fastbert.tasks.metrics import accuracy, pearson, spearman
