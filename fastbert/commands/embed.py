@@ -30,8 +30,8 @@ def run(args) -> int:
 
     from fastbert import BertModel
     from fastbert.errors import UsageError
-    from fastbert.embeddings import encode_sentences, read_lines, top_k
     from fastbert.io import atomic_path
+    from fastbert.sentence_embeddings import encode_sentences, read_lines, top_k
     from fastbert.tokenization import load_tokenizer
 
     if args.top_k < 1:
