@@ -12,11 +12,10 @@ def resolve_device(device: Optional[str]) -> torch.device:
     return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def load_encoder(model_dir, kernels: Optional[str] = None, device: Optional[str] = None, cls=None):
+def load_encoder(model_dir, kernels: Optional[str] = None, device: Optional[str] = None, cls=None,
+                 dtype: Optional[torch.dtype] = None):
     """``(model, tokenizer, device)`` for an HF BERT checkpoint folder (any Bert* head: the encoder is
-    taken). fp32 on the CPU, bf16 on CUDA unless ``FASTBERT_FP32=1``."""
-    import os
-
+    taken), in ``dtype``: by default fp32 on the CPU and bf16 on CUDA."""
     from fastbert.errors import UsageError
     from fastbert.model import BertModel
     from fastbert.tokenization import load_tokenizer
@@ -32,8 +31,9 @@ def load_encoder(model_dir, kernels: Optional[str] = None, device: Optional[str]
     dev = resolve_device(device)
     kernels = kernels or ("triton" if dev.type == "cuda" else "torch")
     model = (cls or BertModel).from_pretrained(model_dir, kernels=kernels).to(dev)
-    if dev.type == "cuda" and os.environ.get("FASTBERT_FP32") != "1":
-        model = model.to(torch.bfloat16)
+    if dtype is None:
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = model.to(dtype)
     model.eval()
     return model, load_tokenizer(model_dir), dev
 
