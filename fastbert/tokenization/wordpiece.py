@@ -1,4 +1,4 @@
-"""``WordPieceTokenizer``: the C++ BERT WordPiece tokenizer (extension ``fastbert._C``).
+"""``WordPieceTokenizer``: the C++ BERT WordPiece tokenizer (extension ``fastbert._wordpiece``).
 
 Same API and results as the pure-Python oracle (``fastbert.tokenization.reference``) and HF
 ``BertTokenizerFast``, plus ``encode_batch`` returning NumPy arrays / torch tensors built in C++
@@ -24,14 +24,14 @@ _TRUNCATION = {True: "longest_first", False: "none", None: "none", "do_not_trunc
 
 def _load_core():
     try:
-        from fastbert import _C
+        from fastbert import _wordpiece
     except ImportError as e:  # pragma: no cover - depends on the installation
         raise ImportError(f"the fastbert C++ extension is not built ({e}); run "
                           f"`pip install --no-build-isolation -e .` in the fastbert checkout") from None
-    if not hasattr(_C, "WordPieceCore"):  # pragma: no cover
-        raise ImportError("fastbert._C has no WordPieceCore: rebuild the extension "
+    if not hasattr(_wordpiece, "WordPieceCore"):  # pragma: no cover
+        raise ImportError("fastbert._wordpiece has no WordPieceCore: rebuild the extension "
                           "(`pip install --no-build-isolation -e .`)")
-    return _C
+    return _wordpiece
 
 
 class WordPieceTokenizer(TokenizerBase):
@@ -52,7 +52,7 @@ class WordPieceTokenizer(TokenizerBase):
                  tokenize_chinese_chars: bool = True, max_input_chars_per_word: int = 100,
                  unk_token: str = "[UNK]", sep_token: str = "[SEP]", pad_token: str = "[PAD]",
                  cls_token: str = "[CLS]", mask_token: str = "[MASK]", model_max_length: int | None = None):
-        _C = _load_core()
+        ext = _load_core()
         tokens = self._init_vocab(vocab_path, lowercase, strip_accents, tokenize_chinese_chars)
         if int(max_input_chars_per_word) < 1:
             raise ValueError(f"max_input_chars_per_word must be >= 1, got {max_input_chars_per_word}")
@@ -60,8 +60,8 @@ class WordPieceTokenizer(TokenizerBase):
         self._init_special_tokens(model_max_length, unk_token, sep_token, pad_token, cls_token, mask_token)
         specials = [(t, self.vocab[t]) for t in dict.fromkeys(self.all_special_tokens) if t and t in self.vocab]
         strip = self.lowercase if strip_accents is None else bool(strip_accents)
-        self._core = _C.WordPieceCore(tokens, self.lowercase, strip, self.tokenize_chinese_chars,
-                                      self.max_input_chars_per_word, self.vocab[unk_token], specials)
+        self._core = ext.WordPieceCore(tokens, self.lowercase, strip, self.tokenize_chinese_chars,
+                                       self.max_input_chars_per_word, self.vocab[unk_token], specials)
         self._cuda = None  # fastbert.tokenization._cuda.CudaWordPiece, made on first use
 
     # from_pretrained, save_pretrained, special tokens, __len__ / vocab_size, convert_tokens_to_ids,
