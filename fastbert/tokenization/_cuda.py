@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from fastbert.tokenization.base import padded_width
+
 NO_ERROR = np.iinfo(np.int64).max
 MAX_CHARS = 2**31 - 1  # original character indices are int32 on the device
 
@@ -186,20 +188,14 @@ class CudaWordPiece:
                                                     add_special_tokens, max_length, truncation)
         longest = int(total.max()) if rows else 0
         flat = padding == "none"
-        if flat:
-            width = longest
-        elif padding == "max_length":
+        if padding == "max_length":
             too_long = np.flatnonzero(total > max_length)
             if too_long.size:
                 r = int(too_long[0])
                 raise ValueError(f"row {r} has {int(total[r])} tokens, more than max_length={max_length} (truncation "
                                  f"is off), so the rows cannot form one array; pass truncation=True or "
                                  f"padding='longest'")
-            width = max_length
-        else:
-            width = longest
-        if pad_to_multiple_of and not flat:
-            width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+        width = longest if flat else padded_width(longest, padding, max_length, pad_to_multiple_of)
         row_offset = np.zeros(rows + 1, dtype=np.int64)
         np.cumsum(total, out=row_offset[1:])
         size = int(row_offset[-1]) if flat else rows * width
