@@ -1,9 +1,9 @@
 """Build the fastbert C++ extensions (pybind11).
 
-`fastbert._C` holds version/build information and the WordPiece tokenizer core; `fastbert._vocab`
+`fastbert._wordpiece` holds version/build information and the WordPiece tokenizer core; `fastbert._vocab`
 the vocabulary trainer. Set FASTBERT_DEBUG=1 for an unoptimized build.
 The tokenizer's Unicode tables are generated first (csrc/tokenizer/gen_unicode.py, from this
-Python's unicodedata) into the git-ignored csrc/tokenizer/generated/. `fastbert._C_cuda` (the GPU
+Python's unicodedata) into the git-ignored csrc/tokenizer/generated/. `fastbert._wordpiece_cuda` (the GPU
 tokenizer, csrc/cuda) is built only when nvcc and a CUDA build of torch are present (FASTBERT_CUDA=0
 skips it; FASTBERT_CUDA_ARCH="80;90" picks the GPU architectures, default: the visible GPU's).
 """
@@ -39,14 +39,14 @@ def cpp_extension(name: str, folder: str) -> Pybind11Extension:
     )
 
 
-# fastbert._C: tokenizer core (csrc/tokenizer); fastbert._vocab: WordPiece vocabulary trainer (csrc/vocab).
-ext_modules = [cpp_extension("fastbert._C", "tokenizer")]
+# fastbert._wordpiece: tokenizer core (csrc/tokenizer); fastbert._vocab: WordPiece vocabulary trainer (csrc/vocab).
+ext_modules = [cpp_extension("fastbert._wordpiece", "tokenizer")]
 if any((ROOT / "csrc" / "vocab").glob("*.cpp")):
     ext_modules.append(cpp_extension("fastbert._vocab", "vocab"))
 
 
 def cuda_extension():
-    """fastbert._C_cuda from csrc/cuda/*.cu (compiled and linked by nvcc in BuildExt), or None and why."""
+    """fastbert._wordpiece_cuda from csrc/cuda/*.cu (compiled and linked by nvcc in BuildExt), or None and why."""
     if os.environ.get("FASTBERT_CUDA", "1") == "0":
         return None, "FASTBERT_CUDA=0"
     try:
@@ -62,7 +62,7 @@ def cuda_extension():
     arch = os.environ.get("FASTBERT_CUDA_ARCH")
     if not arch:
         arch = "".join(map(str, torch.cuda.get_device_capability())) if torch.cuda.is_available() else "80;90"
-    ext = Pybind11Extension("fastbert._C_cuda", [])
+    ext = Pybind11Extension("fastbert._wordpiece_cuda", [])
     ext.nvcc = nvcc
     ext.cuda_sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cuda").glob("*.cu"))
     ext.cuda_arch = [a.strip() for a in arch.replace(",", ";").split(";") if a.strip()]
@@ -73,7 +73,7 @@ ext, why_not = cuda_extension()
 if ext is not None:
     ext_modules.append(ext)
 else:
-    print(f"fastbert: not building the CUDA tokenizer (fastbert._C_cuda): {why_not}", file=sys.stderr)
+    print(f"fastbert: not building the CUDA tokenizer (fastbert._wordpiece_cuda): {why_not}", file=sys.stderr)
 
 
 class BuildExt(build_ext):

@@ -130,7 +130,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
 
-    from fastbert._C import hardware_threads
+    from fastbert._wordpiece import hardware_threads
     vocab = args.data / "vocab" / "bert-base-uncased" / "vocab.txt"
     lines = load_lines(args.data, args.files)
     nbytes = text_bytes(lines)

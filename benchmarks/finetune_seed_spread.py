@@ -14,7 +14,7 @@ score 5.0 x (paraphrase label), a float target in STS-B's 0..5 range, trained wi
   ``transformers.set_seed(S)``, a shuffled DataLoader with ``DataCollatorWithPadding``, torch AdamW
   (weight decay 0.01 except biases and LayerNorm, eps 1e-8), ``get_linear_schedule_with_warmup`` with
   10% warmup, gradient clipping at 1.0.
-* hf-ref (``--systems fastbert,hf,hf-ref``): HF's model trained by ``fastbert.tasks.hf_reference`` with
+* hf-ref (``--systems fastbert,hf,hf-ref``): HF's model trained by ``tests/tasks/hf_reference.py`` with
   fastbert's loop and seeding (the same features, epoch orders, initial head and schedule as
   ``fastbert finetune``, no DeepSpeed). fastbert vs hf-ref isolates fastbert's model, kernels and engine;
   hf-ref vs hf isolates the seeding (epoch orders, head init, dropout streams).
@@ -153,11 +153,12 @@ def autocast_dtype(args):
 
 
 def run_hf_ref(data: Path, model_dir: str, seed: int, args) -> dict:
-    """HF's model trained with fastbert's loop and seeding (fastbert.tasks.hf_reference)."""
+    """HF's model trained with fastbert's loop and seeding (tests/tasks/hf_reference.py)."""
     import torch
 
     from fastbert.tasks.finetune import make_task
-    from fastbert.tasks.hf_reference import hf_finetune, load_hf_model
+    sys.path.insert(0, str(REPO / "tests" / "tasks"))  # the HF loop the tests compare with
+    from hf_reference import hf_finetune, load_hf_model
     from fastbert.tasks.trainer import TrainArgs
     from fastbert.tokenization import load_tokenizer
 

@@ -8,9 +8,7 @@ import os
 import pkgutil
 import sys
 
-
-class UsageError(Exception):
-    """Bad input from the command line: printed as one ``error:`` line, exit status 2."""
+from fastbert.errors import UsageError
 
 
 def _command_modules():
@@ -72,7 +70,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    # Run through the imported module so that `python -m fastbert.cli` and the subcommands share one
-    # UsageError class (under -m this file is also loaded as __main__).
-    from fastbert.cli import main as _main
-    sys.exit(_main())
+    sys.exit(main())

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from fastbert.errors import ConfigError
+
 ACTIVATIONS = ("gelu", "gelu_tanh")
 KERNELS = ("torch", "triton")
 
@@ -25,10 +27,6 @@ PRESETS = {
 # HF names for the activation strings we accept.
 _HF_ACT_IN = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 _HF_ACT_OUT = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
-
-
-class ConfigError(ValueError):
-    """An invalid BertConfig value; the message says which field and how to fix it."""
 
 
 @dataclass

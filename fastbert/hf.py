@@ -135,9 +135,9 @@ def load_pretrained(cls, directory, config: BertConfig | None = None, torch_dtyp
 
 def load_converted(model, hf_state: dict[str, torch.Tensor]) -> None:
     """Load an HF-layout state dict into a fastbert model with the checks described above."""
-    from fastbert.model import BertModel
-
-    prefixed = not isinstance(model, BertModel)
+    # A task head holds its encoder under ``bert.`` (HF's base_model_prefix); a bare BertModel is the
+    # encoder. Asked of the model, not by isinstance, so that this file needs nothing of model.py.
+    prefixed = isinstance(getattr(model, model.base_model_prefix, None), torch.nn.Module)
     _check_tied(hf_state)
     state = hf_to_fastbert(hf_state, prefix_encoder=prefixed)
     expected = model.state_dict()

@@ -3,7 +3,7 @@ bf16) vs a plain HF transformers loop (SDPA attention, bf16 autocast) in the sam
 card. Reports dev scores and training wall time (evaluation excluded) for both.
 
 Both sides get the same features, batches and order, parameter groups, learning rates, schedule,
-AdamW and clipping, and the same initial head (fastbert/tasks/hf_reference.py).
+AdamW and clipping, and the same initial head (tests/tasks/hf_reference.py).
 
     # here (CPU): make the carry folder .gpu/ (bf16 checkpoint ~46 MB + GLUE SST-2/MRPC files)
     python scripts/gpu_finetune_check.py prepare --data ../shared/data
@@ -91,9 +91,10 @@ def run(args) -> int:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
     from fastbert.tasks.finetune import make_task, run_finetune
-    from fastbert.tasks.hf_reference import hf_finetune, load_hf_model
     from fastbert.tasks.trainer import TrainArgs
     from fastbert.tokenization import load_tokenizer
+    sys.path.insert(0, str(REPO / "tests" / "tasks"))  # the HF loop the tests compare with
+    from hf_reference import hf_finetune, load_hf_model
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

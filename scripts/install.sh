@@ -48,7 +48,7 @@ inputs_hash() {
 PIP=("$PY" -m pip install --disable-pip-version-check -q)
 have() { "$PY" -c "import $1" >/dev/null 2>&1; }
 now=$(inputs_hash)
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$now" ] && compgen -G "fastbert/_C*.so" >/dev/null; then
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$now" ] && compgen -G "fastbert/_wordpiece*.so" >/dev/null; then
   echo "[install] up to date ($VENV; nothing to install or rebuild)"
 else
   rm -f "$STAMP"
@@ -74,7 +74,7 @@ else
     echo "[install] deepspeed"
     "${PIP[@]}" --no-build-isolation "deepspeed>=0.14"
   fi
-  "$PY" -c "import fastbert, fastbert._C as c; print('[install] fastbert', fastbert.__version__, c.build_info())"
+  "$PY" -c "import fastbert, fastbert._wordpiece as c; print('[install] fastbert', fastbert.__version__, c.build_info())"
   "$PY" -c 'import torch; print("cuda" if torch.version.cuda else "cpu")' > "$VENV/.fastbert-torch"
   echo "$now" > "$STAMP"
 fi

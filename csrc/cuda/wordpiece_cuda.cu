@@ -1,4 +1,4 @@
-// fastbert._C_cuda: the batched tokenizer's kernels (wordpiece_kernels.h) on the GPU. Each entry
+// fastbert._wordpiece_cuda: the batched tokenizer's kernels (wordpiece_kernels.h) on the GPU. Each entry
 // point takes named torch CUDA tensors and integer scalars (including the torch stream to launch
 // on), checks them (device, integer width, contiguity) and launches one grid-stride kernel. The
 // module needs only pybind11 and the CUDA runtime: tensors are read through their Python API
@@ -74,7 +74,7 @@ void launch(py::dict tensors, py::dict scalars) {
 
 }  // namespace
 
-PYBIND11_MODULE(_C_cuda, m) {
+PYBIND11_MODULE(_wordpiece_cuda, m) {
   m.doc() = "fastbert CUDA tokenizer kernels (driven by fastbert.tokenization._cuda; see wordpiece_kernels.h).";
   m.def("count_chars", &launch<fastbert::gpu::CountChars>, "Normalized bytes per original character.",
         py::arg("tensors"), py::arg("scalars"));

@@ -1,4 +1,4 @@
-// pybind11 entry point of fastbert._C: build information and the WordPiece tokenizer core.
+// pybind11 entry point of fastbert._wordpiece: build information and the WordPiece tokenizer core.
 // Python strings are read in place (PEP 393 storage: 1, 2 or 4 bytes per code point) with the GIL
 // held; tokenization and output filling run with the GIL released on the thread pool.
 #include <pybind11/numpy.h>
@@ -33,7 +33,7 @@ py::dict build_info() {
   info["cplusplus"] = static_cast<long>(__cplusplus);
   info["unicode_version"] = unicode_version();
   info["hardware_threads"] = ThreadPool::hardware_threads();
-  info["cuda"] = false;  // the CUDA tokenizer is the separate module fastbert._C_cuda
+  info["cuda"] = false;  // the CUDA tokenizer is the separate module fastbert._wordpiece_cuda
   return info;
 }
 
@@ -383,7 +383,7 @@ py::dict tables(const Tokenizer& tok) {
 
 }  // namespace
 
-PYBIND11_MODULE(_C, m) {
+PYBIND11_MODULE(_wordpiece, m) {
   m.doc() = "fastbert native extension: build information and the C++ WordPiece tokenizer core "
             "(use fastbert.tokenization.WordPieceTokenizer, the Python API over it).";
   m.attr("__version__") = FASTBERT_VERSION;

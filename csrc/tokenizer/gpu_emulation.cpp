@@ -1,4 +1,4 @@
-// fastbert._C.gpu_emulation: the CUDA tokenizer's kernels (csrc/cuda/wordpiece_kernels.h) run as
+// fastbert._wordpiece.gpu_emulation: the CUDA tokenizer's kernels (csrc/cuda/wordpiece_kernels.h) run as
 // plain loops over NumPy arrays. fastbert.tokenization._cuda drives these exactly as it drives the
 // GPU module, so CI checks the GPU pipeline's logic (and its equality with the CPU tokenizer)
 // without a GPU.

@@ -25,10 +25,10 @@ def add_parser(sub):
 def run(args) -> int:
     import numpy as np
 
-    from fastbert.cli import UsageError
+    from fastbert.analysis.attention import attention_maps, head_statistics, plot_grid, summarize
+    from fastbert.analysis.loading import load_encoder
+    from fastbert.errors import UsageError
     from fastbert.io import atomic_path, atomic_write_text
-    from fastbert.tasks.attention import attention_maps, head_statistics, plot_grid, summarize
-    from fastbert.tasks.loading import load_encoder
 
     if not args.text.strip():
         raise UsageError("--text is empty")

@@ -27,11 +27,11 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from fastbert.cli import UsageError
-    from fastbert.embeddings import encode_sentences
+    from fastbert.analysis.clustering import kmeans
+    from fastbert.analysis.loading import load_encoder, read_inputs
+    from fastbert.errors import UsageError
     from fastbert.io import atomic_write_text
-    from fastbert.tasks.clustering import kmeans
-    from fastbert.tasks.loading import load_encoder, read_inputs
+    from fastbert.sentence_embeddings import encode_sentences
 
     texts, _ = read_inputs(args.input, pair_separator="\0", column=args.column)  # every line is one sentence
     if not 1 <= args.k <= len(texts):

@@ -29,9 +29,9 @@ def run(args) -> int:
     import torch
 
     from fastbert import BertModel
-    from fastbert.cli import UsageError
-    from fastbert.embeddings import encode_sentences, read_lines, top_k
+    from fastbert.errors import UsageError
     from fastbert.io import atomic_path
+    from fastbert.sentence_embeddings import encode_sentences, read_lines, top_k
     from fastbert.tokenization import load_tokenizer
 
     if args.top_k < 1:

@@ -37,10 +37,10 @@ def add_parser(sub):
 def run(args) -> int:
     import numpy as np
 
-    from fastbert.cli import UsageError
+    from fastbert.analysis.features import extract_features, parse_layers
+    from fastbert.analysis.loading import load_encoder, read_inputs
+    from fastbert.errors import UsageError
     from fastbert.io import atomic_path, atomic_write_text
-    from fastbert.tasks.features import extract_features, parse_layers
-    from fastbert.tasks.loading import load_encoder, read_inputs
 
     out = Path(args.out)
     if out.suffix != ".npy":

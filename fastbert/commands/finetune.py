@@ -88,7 +88,7 @@ def _formatter():
 
 
 def run(args) -> int:
-    from fastbert.cli import UsageError
+    from fastbert.errors import UsageError
     from fastbert.tasks.finetune import FinetuneError, run_finetune
     from fastbert.tasks.trainer import TrainArgs
 

@@ -44,7 +44,7 @@ def run(args) -> int:
     import json
     import os
 
-    from fastbert.cli import UsageError
+    from fastbert.errors import UsageError
     from fastbert.training.config import ConfigError, load_config
     from fastbert.training.config_keys import describe
 
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="fastbert pretrain")
     _add_arguments(parser)
     args = parser.parse_args(argv)
-    from fastbert.cli import UsageError
+    from fastbert.errors import UsageError
     from fastbert.training.interrupt import Terminated
     try:
         return run(args)

@@ -42,7 +42,7 @@ def _suppress():
 
 
 def run(args) -> int:
-    from fastbert.cli import UsageError
+    from fastbert.errors import UsageError
     from fastbert.tasks.finetune import FinetuneError
     from fastbert.tasks.sbert import run_sbert
     from fastbert.tasks.trainer import TrainArgs

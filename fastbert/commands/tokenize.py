@@ -52,7 +52,7 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from fastbert.cli import UsageError
+    from fastbert.errors import UsageError
 
     if args.threads is not None and args.threads < 1:
         raise UsageError("--threads must be >= 1")
@@ -116,7 +116,7 @@ def run(args) -> int:
 # ------------------------------------------------------------------------------------------------
 
 def _input_files(paths: list[str]) -> list[Path]:
-    from fastbert.cli import UsageError
+    from fastbert.errors import UsageError
     from fastbert.data.corpus import expand_files
     files = expand_files(
         paths, missing=lambda p: UsageError(f"input not found: {p}"),
@@ -160,7 +160,7 @@ def _output_names(files: list[Path]) -> list[str]:
 
 
 def _load_tokenizer(vocab_arg: str, lowercase):
-    from fastbert.cli import UsageError
+    from fastbert.errors import UsageError
     from fastbert.tokenization.wordpiece import WordPieceTokenizer
 
     vocab = Path(vocab_arg)
@@ -201,7 +201,7 @@ def _open_text(path: Path):
 
 def _paragraphs(text, path: Path):
     """(paragraph, starts_document) for every non-empty line, in order (see the module docstring)."""
-    from fastbert.cli import UsageError
+    from fastbert.errors import UsageError
     wiki = None
     in_doc, title, new_doc, opened_at = False, None, True, 0
     for n, line in enumerate(text, 1):
@@ -283,7 +283,7 @@ def _tokenize_file(tok, reader: _Reader, out: Path, name: str, dtype: str, args,
                    start: float) -> dict:
     import numpy as np
 
-    from fastbert.cli import UsageError
+    from fastbert.errors import UsageError
     from fastbert.textio import not_utf8
 
     path = reader.path

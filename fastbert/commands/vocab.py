@@ -47,7 +47,7 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from fastbert.cli import UsageError
+    from fastbert.errors import UsageError
     from fastbert.io import atomic_write_text
     from fastbert.tokenization.vocab_trainer import count_words, expand_corpus, save_vocab, train_from_counts
 

@@ -12,14 +12,23 @@ import lzma
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastbert.data.glue import DataError
-from fastbert.tasks.ner_metrics import _split
+from fastbert.errors import DataError
 
 SPLIT_NAMES = {
     "train": ("train.txt", "eng.train", "train"),
     "dev": ("valid.txt", "dev.txt", "eng.testa", "valid", "dev"),
     "test": ("test.txt", "eng.testb", "test"),
 }
+
+
+def split_tag(tag: str) -> tuple[str, str]:
+    """``(prefix, type)`` of an IOB / IOBES tag: "B-PER" -> ("B", "PER"), "O" -> ("O", "")."""
+    if tag in ("O", ""):
+        return "O", ""
+    prefix, sep, typ = tag.partition("-")
+    if not sep or prefix not in ("B", "I", "E", "S"):
+        raise ValueError(f"tag {tag!r} is not IOB/IOBES (expected O, or B-/I-/E-/S- followed by a type)")
+    return prefix, typ
 
 
 @dataclass
@@ -68,7 +77,7 @@ def read_conll(path: Path, max_sentences: int | None = None) -> list[Sentence]:
                 if len(cols) < 2:
                     raise DataError(f"{path}:{lineno}: expected 'word ... tag' columns, got {line!r}")
                 try:
-                    _split(cols[-1])
+                    split_tag(cols[-1])
                 except ValueError as e:
                     raise DataError(f"{path}:{lineno}: {e}") from None
                 words.append(cols[0])

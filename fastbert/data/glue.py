@@ -8,17 +8,15 @@ found by name. ``--data`` may name the task folder itself or the GLUE root above
 """
 from __future__ import annotations
 
-import csv
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from fastbert.data.tsv import read_tsv
+from fastbert.errors import DataError
+
 log = logging.getLogger("fastbert")
-
-
-class DataError(ValueError):
-    """Malformed task data; the message names the file, the line and what was expected."""
 
 
 @dataclass(frozen=True)
@@ -86,12 +84,6 @@ def split_path(task: GlueTask, data: Path, split: str) -> Path:
     if not path.is_file():
         raise DataError(f"{path} not found: GLUE {task.name} needs {split}.tsv in {path.parent}")
     return path
-
-
-def read_tsv(path: Path) -> list[list[str]]:
-    # utf-8-sig: MRPC's files start with a byte-order mark.
-    with open(path, encoding="utf-8-sig", newline="") as f:
-        return [row for row in csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)]
 
 
 def _resolve_column(task: GlueTask, header: list[str], col: str | int, path: Path) -> int:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from fastbert.data.glue import DataError
+from fastbert.errors import DataError
 
 
 @dataclass

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
-from fastbert.data.glue import DataError, read_tsv
+from fastbert.data.tsv import read_tsv
+from fastbert.errors import DataError
 
 LAYOUTS = (
     # (name, first sentence column, second, target column, target kind)

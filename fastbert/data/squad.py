@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastbert.data.glue import DataError
+from fastbert.errors import DataError
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from fastbert.data.glue import TASKS as GLUE_TASKS
-from fastbert.data.glue import DataError
+from fastbert.errors import DataError
 from fastbert.io import atomic_path, atomic_write_text
 from fastbert.tasks.trainer import TrainArgs, build_finetune_engine, param_groups, train
 

@@ -7,8 +7,8 @@ import json
 
 import numpy as np
 
-from fastbert.data.glue import DataError
 from fastbert.data.multiple_choice import ChoiceExample, find_split, read_jsonl
+from fastbert.errors import DataError
 from fastbert.heads import BertForMultipleChoice
 from fastbert.tasks.base import FinetuneTask, batch_rows, predict
 from fastbert.tasks.metrics import accuracy

@@ -11,14 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterable, Sequence
 
-
-def _split(tag: str) -> tuple[str, str]:
-    if tag in ("O", ""):
-        return "O", ""
-    prefix, sep, typ = tag.partition("-")
-    if not sep or prefix not in ("B", "I", "E", "S"):
-        raise ValueError(f"tag {tag!r} is not IOB/IOBES (expected O, or B-/I-/E-/S- followed by a type)")
-    return prefix, typ
+from fastbert.data.conll import split_tag
 
 
 def _chunk_ends(prev: str, prev_type: str, cur: str, cur_type: str) -> bool:
@@ -42,7 +35,7 @@ def get_entities(tags: Sequence[str]) -> list[tuple[str, int, int]]:
     entities = []
     prev, prev_type, start = "O", "", None
     for i, tag in enumerate(list(tags) + ["O"]):  # the sentinel closes a chunk that runs to the end
-        cur, cur_type = _split(tag)
+        cur, cur_type = split_tag(tag)
         if start is not None and _chunk_ends(prev, prev_type, cur, cur_type):
             entities.append((prev_type, start, i - 1))
             start = None
@@ -67,7 +60,7 @@ def detect_scheme(sentences: Iterable[Sequence[str]]) -> str:
     for tags in sentences:
         prev, prev_type = "O", ""
         for tag in tags:
-            cur, cur_type = _split(tag)
+            cur, cur_type = split_tag(tag)
             if cur == "I" and (prev == "O" or cur_type != prev_type):
                 return "IOB1"
             prev, prev_type = cur, cur_type

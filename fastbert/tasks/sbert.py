@@ -24,8 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fastbert.data.glue import DataError
 from fastbert.data.sentence_pairs import SentencePair, read_pairs
+from fastbert.errors import DataError
 from fastbert.model import BertModel, ModelOutput, mean_pool
 from fastbert.tasks.base import batch_rows
 from fastbert.tasks.metrics import accuracy, pearson, spearman
@@ -124,8 +124,8 @@ def write_sentence_transformers_files(out: Path, hidden: int, max_seq_len: int) 
 def evaluate_pairs(model: SentenceBert, tokenizer, pairs: list[SentencePair], targets: list, max_seq_len: int,
                    batch_size: int) -> tuple[dict, np.ndarray]:
     """Dev metrics: accuracy of the classifier, or Pearson/Spearman of cos(u, v) with the scores (the
-    usual STS evaluation). Embeddings come from ``fastbert.embeddings.encode_sentences``."""
-    from fastbert.embeddings import encode_sentences
+    usual STS evaluation). Embeddings come from ``fastbert.sentence_embeddings.encode_sentences``."""
+    from fastbert.sentence_embeddings import encode_sentences
 
     device = next(model.parameters()).device
     kw = dict(batch_size=batch_size, max_length=max_seq_len, normalize=False, device=device)

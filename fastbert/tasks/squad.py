@@ -20,8 +20,8 @@ from typing import Optional
 
 import numpy as np
 
-from fastbert.data.glue import DataError
 from fastbert.data.squad import SquadExample, find_split, read_squad
+from fastbert.errors import DataError
 from fastbert.heads import BertForQuestionAnswering
 from fastbert.tasks.base import FinetuneTask, as_list, predict
 from fastbert.tasks.squad_metrics import squad_scores

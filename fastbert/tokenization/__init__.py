@@ -1,6 +1,7 @@
 """Tokenizers: the C++ WordPiece tokenizer (``WordPieceTokenizer``) and the pure-Python reference
-(``ReferenceTokenizer``, the oracle the C++ one is tested against). Both share one API:
-``tokenize``, ``encode``, ``convert_tokens_to_ids``, ``convert_ids_to_tokens``, ``decode``, ``vocab``."""
+(``ReferenceTokenizer``, the oracle the C++ one is tested against). Both are one HF-style front end
+(``base.TokenizerBase``: ``__call__``, ``encode``, ``convert_tokens_to_ids``, ``convert_ids_to_tokens``,
+``decode``, ``vocab``) over their own ``tokenize`` and ``encode_batch``."""
 from __future__ import annotations
 
 import importlib

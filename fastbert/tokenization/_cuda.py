@@ -10,33 +10,35 @@ chained with torch scans:
       -> token counts per text -> HF truncation (host, tiny) -> assemble   padded or flat rows
 
 Results equal the CPU path's exactly. ``emulate=True`` runs the same kernels as CPU loops
-(fastbert._C.gpu_emulation) on CPU tensors: that is how CI tests this file without a GPU.
+(fastbert._wordpiece.gpu_emulation) on CPU tensors: that is how CI tests this file without a GPU.
 """
 from __future__ import annotations
 
 import numpy as np
+
+from fastbert.tokenization.base import padded_width
 
 NO_ERROR = np.iinfo(np.int64).max
 MAX_CHARS = 2**31 - 1  # original character indices are int32 on the device
 
 
 def cuda_module():
-    """fastbert._C_cuda, or a RuntimeError saying why it is missing."""
+    """fastbert._wordpiece_cuda, or a RuntimeError saying why it is missing."""
     try:
-        from fastbert import _C_cuda
-        return _C_cuda
+        from fastbert import _wordpiece_cuda
+        return _wordpiece_cuda
     except ImportError as e:
         import torch
         reason = ("this torch has no CUDA (" + torch.__version__ + ")" if torch.version.cuda is None
                   else f"it was not built ({e})")
         raise RuntimeError(
-            "the CUDA tokenizer (fastbert._C_cuda) is not available: " + reason + ". It is built by "
+            "the CUDA tokenizer (fastbert._wordpiece_cuda) is not available: " + reason + ". It is built by "
             "`pip install --no-build-isolation -e .` when nvcc and a CUDA build of torch are present; "
             "otherwise call encode_batch without device= (CPU, all cores)") from None
 
 
 class _Ops:
-    """Kernel launcher: CUDA tensors to fastbert._C_cuda on the current torch stream, or CPU tensors
+    """Kernel launcher: CUDA tensors to fastbert._wordpiece_cuda on the current torch stream, or CPU tensors
     (as NumPy arrays) to the emulation."""
 
     def __init__(self, module, emulate: bool):
@@ -59,8 +61,8 @@ class CudaWordPiece:
         self.tokenizer = tokenizer
         self.emulate = emulate
         if emulate:
-            from fastbert import _C
-            self.ops = _Ops(_C.gpu_emulation, True)
+            from fastbert import _wordpiece
+            self.ops = _Ops(_wordpiece.gpu_emulation, True)
         else:
             self.ops = _Ops(cuda_module(), False)
             if not torch.cuda.is_available():
@@ -104,11 +106,11 @@ class CudaWordPiece:
 
     def encode_batch(self, texts, text_pairs, device, add_special_tokens, max_length, truncation, padding,
                      pad_to_multiple_of, return_offsets, cls_id, sep_id, pad_id, split_rows: bool = True) -> dict:
-        """Arguments as fastbert._C.WordPieceCore.encode_batch. Padded: (rows, width) tensors. Not padded:
+        """Arguments as fastbert._wordpiece.WordPieceCore.encode_batch. Padded: (rows, width) tensors. Not padded:
         lists of per-row views, or with split_rows=False flat tensors plus ``row_splits``."""
         import torch
 
-        from fastbert import _C
+        from fastbert import _wordpiece
 
         device = torch.device("cpu") if self.emulate else torch.device(device)
         if device.type == "cuda":
@@ -120,13 +122,13 @@ class CudaWordPiece:
         texts = list(texts)
         pairs = None if text_pairs is None else list(text_pairs)
         rows = len(texts)
-        seg_byte, seg_kind, seg_char, total_bytes = _C.text_layout(texts, pairs)
+        seg_byte, seg_kind, seg_char, total_bytes = _wordpiece.text_layout(texts, pairs)
         n_chars, n_segs = int(seg_char[-1]), len(seg_kind)
         if n_chars > MAX_CHARS:
             raise ValueError(f"a GPU batch holds at most {MAX_CHARS} characters ({n_chars} given); split the batch")
         pin = device.type == "cuda"
         host = torch.empty(max(total_bytes, 1), dtype=torch.uint8, pin_memory=pin)
-        _C.pack_texts(texts, pairs, host.numpy(), seg_byte)
+        _wordpiece.pack_texts(texts, pairs, host.numpy(), seg_byte)
 
         def put(array):
             return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=pin)
@@ -182,24 +184,18 @@ class CudaWordPiece:
             return {k: (torch.from_numpy(v).to(device) if isinstance(v, np.ndarray)
                         else [torch.from_numpy(x).to(device) for x in v]) for k, v in cpu.items()}
 
-        len_a, len_b, total = _C.row_layout(seg_count.cpu().numpy(), rows, pairs is not None, add_special_tokens,
-                                            max_length, truncation)
+        len_a, len_b, total = _wordpiece.row_layout(seg_count.cpu().numpy(), rows, pairs is not None,
+                                                    add_special_tokens, max_length, truncation)
         longest = int(total.max()) if rows else 0
         flat = padding == "none"
-        if flat:
-            width = longest
-        elif padding == "max_length":
+        if padding == "max_length":
             too_long = np.flatnonzero(total > max_length)
             if too_long.size:
                 r = int(too_long[0])
                 raise ValueError(f"row {r} has {int(total[r])} tokens, more than max_length={max_length} (truncation "
                                  f"is off), so the rows cannot form one array; pass truncation=True or "
                                  f"padding='longest'")
-            width = max_length
-        else:
-            width = longest
-        if pad_to_multiple_of and not flat:
-            width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+        width = longest if flat else padded_width(longest, padding, max_length, pad_to_multiple_of)
         row_offset = np.zeros(rows + 1, dtype=np.int64)
         np.cumsum(total, out=row_offset[1:])
         size = int(row_offset[-1]) if flat else rows * width

@@ -1,6 +1,8 @@
 """``TokenizerBase``: what the C++ ``WordPieceTokenizer`` and the pure-Python ``ReferenceTokenizer``
-share, word for word: the vocabulary and its file, HF checkpoint loading / saving, special tokens,
-id <-> token conversion and decoding. Tokenizing and encoding stay in the subclasses (they differ).
+share, word for word: the HF-style front end (``__call__``, ``encode``, and the call options as HF
+resolves them: truncation strategy, padding mode, row length limit, padded width, tensors), the
+vocabulary and its file, HF checkpoint loading / saving, special tokens, id <-> token conversion and
+decoding. An engine provides ``tokenize`` and ``encode_batch``: how rows are encoded.
 
 ``SPECIAL_TOKEN_NAMES`` and ``load_vocab`` live here so that this module needs neither subclass;
 ``fastbert.tokenization.reference`` re-exports both (other modules import them from there).
@@ -11,6 +13,7 @@ import json
 from pathlib import Path
 
 SPECIAL_TOKEN_NAMES = ("unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+TRUNCATION_STRATEGIES = ("longest_first", "only_first", "only_second")
 # HF writes model_max_length = int(1e30) when a checkpoint sets no limit.
 _NO_LIMIT = 10**12
 # HF's WordPiece decoder clean-up, applied to each (space-prefixed) token.
@@ -51,6 +54,78 @@ def default_truncation(truncation, max_length: int | None, padding):
     if truncation is None:
         return max_length is not None and (padding is False or padding is None)
     return truncation
+
+
+def truncation_strategy(truncation) -> str:
+    """HF's ``truncation`` argument as one spelling: "longest_first" (True), "only_first",
+    "only_second", or "none" (False, None, "do_not_truncate")."""
+    if truncation is True:
+        return "longest_first"
+    if truncation is False or truncation is None or truncation == "do_not_truncate":
+        return "none"
+    if truncation in TRUNCATION_STRATEGIES:
+        return truncation
+    raise ValueError(f"unknown truncation {truncation!r}; use True, False or one of "
+                     f"'longest_first', 'only_first', 'only_second'")
+
+
+def padding_mode(padding) -> str:
+    """HF's ``padding`` argument as one spelling: "longest" (True), "max_length", or "none"
+    (False, None, "do_not_pad")."""
+    if padding is True or padding == "longest":
+        return "longest"
+    if padding is False or padding is None or padding == "do_not_pad":
+        return "none"
+    if padding == "max_length":
+        return "max_length"
+    raise ValueError(f"unknown padding {padding!r}; use False, True / 'longest' or 'max_length'")
+
+
+def padded_width(longest: int, padding: str, max_length: int | None, pad_to_multiple_of: int | None) -> int | None:
+    """The width rows are padded to (``padding`` as ``padding_mode`` spells it), or None when padding is
+    off: the longest row, or ``max_length`` (rows longer than it, when not truncated, stay as they are,
+    as HF), rounded up to a multiple of ``pad_to_multiple_of``."""
+    if padding == "none":
+        return None
+    width = max_length if padding == "max_length" else longest
+    if pad_to_multiple_of:
+        width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+    return width
+
+
+def as_tensors(enc: dict, kind: str, device=None) -> dict:
+    """``enc`` (rows as arrays, tensors or lists) as int64 NumPy arrays ("np") or torch tensors ("pt",
+    moved to ``device``); the rows of a ragged list must be of one length."""
+    import numpy as np
+    if kind not in ("np", "pt"):
+        raise ValueError(f"return_tensors must be None, 'np' or 'pt', got {kind!r}")
+    out = {}
+    for key, value in enc.items():
+        if isinstance(value, list):
+            if len({len(row) for row in value}) > 1:
+                raise ValueError(f"return_tensors={kind!r} needs rows of equal length; pass padding=True "
+                                 f"or padding='max_length'")
+            if value and hasattr(value[0], "cpu"):  # torch tensors from the GPU path
+                import torch
+                value = torch.stack(value)
+            else:
+                value = np.asarray(value, dtype=np.int64) if value else np.zeros((0, 0), dtype=np.int64)
+        if hasattr(value, "cpu"):  # a torch tensor
+            out[key] = value.cpu().numpy() if kind == "np" else value
+            continue
+        if kind == "pt":
+            import torch
+            value = torch.from_numpy(value)
+            if device is not None:
+                value = value.to(device)
+        out[key] = value
+    return out
+
+
+def row_list(row, key: str) -> list:
+    """One encoded row (array, tensor or list) as a Python list; offsets as (start, end) tuples."""
+    values = row.tolist() if hasattr(row, "tolist") else list(row)
+    return [tuple(o) for o in values] if key in ("offsets", "offset_mapping") else values
 
 
 def to_id_list(ids) -> list:
@@ -206,7 +281,81 @@ class TokenizerBase:
                              f"({self.vocab_path}); were the ids made with another vocabulary?")
         return i
 
+    # -- the HF-style front end ---------------------------------------------------------------------
+
+    def __call__(self, text, text_pair=None, add_special_tokens: bool = True, padding: bool | str = False,
+                 truncation: bool | str | None = None, max_length: int | None = None,
+                 pad_to_multiple_of: int | None = None, return_tensors: str | None = None,
+                 return_token_type_ids: bool = True, return_attention_mask: bool = True,
+                 return_offsets_mapping: bool = False, return_special_tokens_mask: bool = False,
+                 **engine_options) -> dict:
+        """Like HF ``tokenizer(text, text_pair, ...)``: a str gives lists, a list of str gives lists of
+        lists, ``return_tensors="np"/"pt"`` arrays / tensors of shape (rows, width). ``truncation=None``
+        truncates only when ``max_length`` is given and padding is off (HF's default); offsets come as
+        ``offset_mapping``; ``special_tokens_mask`` marks the [CLS] / [SEP] / padding this call added
+        (a [MASK] or [UNK] from the text is 0, as HF). ``engine_options`` go to ``encode_batch``
+        (``WordPieceTokenizer``: ``num_threads``, ``device``)."""
+        truncation = default_truncation(truncation, max_length, padding)
+        batched = not isinstance(text, str)
+        if batched:
+            if text_pair is not None and isinstance(text_pair, str):
+                raise TypeError("text is a list but text_pair is a str; pass a list of pairs")
+            texts, pairs = text, text_pair
+        else:
+            texts, pairs = [text], None if text_pair is None else [text_pair]
+        enc = self.encode_batch(texts, pairs, add_special_tokens, max_length, truncation, padding,
+                                return_offsets=return_offsets_mapping, pad_to_multiple_of=pad_to_multiple_of,
+                                return_special_tokens_mask=return_special_tokens_mask, **engine_options)
+        if return_offsets_mapping:
+            enc["offset_mapping"] = enc.pop("offsets")
+        if not return_token_type_ids:
+            del enc["token_type_ids"]
+        if not return_attention_mask:
+            del enc["attention_mask"]
+        if return_tensors is not None:
+            return as_tensors(enc, return_tensors, engine_options.get("device"))
+        out = {}
+        for key, value in enc.items():
+            rows = [row_list(row, key) for row in value]
+            out[key] = rows if batched else rows[0]
+        return out
+
+    def encode(self, text: str, text_pair: str | None = None, add_special_tokens: bool = True,
+               max_length: int | None = None, truncation: bool | str = True, padding: bool | str = False,
+               return_offsets: bool = False, pad_to_multiple_of: int | None = None,
+               return_special_tokens_mask: bool = False) -> dict:
+        """Encode one text (or pair) as ``[CLS] a [SEP] (b [SEP])``.
+
+        Returns a dict of lists: ``input_ids``, ``token_type_ids``, ``attention_mask``; with
+        ``return_offsets``, ``offsets``: (start, end) character positions in the original text of
+        each token, (0, 0) for [CLS]/[SEP]/padding; with ``return_special_tokens_mask``,
+        ``special_tokens_mask``: 1 at the [CLS]/[SEP]/padding that encoding added (HF's: a [MASK]
+        or [UNK] from the text is 0). Options as ``encode_batch``.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}; use encode_batch() for a list")
+        if text_pair is not None and not isinstance(text_pair, str):
+            raise TypeError(f"text_pair must be a str, got {type(text_pair).__name__}")
+        enc = self.encode_batch([text], None if text_pair is None else [text_pair], add_special_tokens, max_length,
+                                truncation, padding, return_offsets=return_offsets,
+                                pad_to_multiple_of=pad_to_multiple_of,
+                                return_special_tokens_mask=return_special_tokens_mask)
+        return {key: row_list(value[0], key) for key, value in enc.items()}
+
     # -- call options --------------------------------------------------------------------------------
+
+    def _batch_options(self, texts, text_pairs, max_length: int | None, truncation, padding,
+                       pad_to_multiple_of: int | None) -> tuple[str, int | None, str]:
+        """Check one ``encode_batch`` call's arguments and resolve them as HF does: ``(truncation
+        strategy, row length limit, padding mode)``, spelled as ``truncation_strategy`` and
+        ``padding_mode`` spell them."""
+        if isinstance(texts, str):
+            raise TypeError("encode_batch takes a list of texts; use encode() for one text")
+        strategy, mode = truncation_strategy(truncation), padding_mode(padding)
+        if strategy == "only_second" and text_pairs is None:
+            raise ValueError("truncation='only_second' needs text_pairs")
+        max_length = self._resolve_max_length(max_length, strategy != "none", padding, pad_to_multiple_of)
+        return strategy, max_length, mode
 
     def _resolve_max_length(self, max_length: int | None, truncating: bool, padding,
                             pad_to_multiple_of: int | None) -> int | None:
@@ -245,4 +394,6 @@ class TokenizerBase:
         return [self.decode(ids, skip_special_tokens) for ids in self._id_list(sequences)]
 
 
-__all__ = ["TokenizerBase", "SPECIAL_TOKEN_NAMES", "load_vocab", "cleanup_token", "default_truncation", "to_id_list"]
+__all__ = ["TokenizerBase", "SPECIAL_TOKEN_NAMES", "TRUNCATION_STRATEGIES", "load_vocab", "cleanup_token",
+           "default_truncation", "truncation_strategy", "padding_mode", "padded_width", "as_tensors", "row_list",
+           "to_id_list"]

@@ -29,9 +29,7 @@ import unicodedata
 from pathlib import Path
 
 # SPECIAL_TOKEN_NAMES and load_vocab are re-exported: other modules import them from here.
-from fastbert.tokenization.base import SPECIAL_TOKEN_NAMES, TokenizerBase, default_truncation, load_vocab
-
-_TRUNCATION_STRATEGIES = ("longest_first", "only_first", "only_second")
+from fastbert.tokenization.base import SPECIAL_TOKEN_NAMES, TokenizerBase, load_vocab, padded_width
 
 # ----------------------------------------------------------------------------------------------
 # Character classes (HF tokenizers semantics)
@@ -233,49 +231,30 @@ class ReferenceTokenizer(TokenizerBase):
         """WordPiece tokens of ``text`` (no [CLS]/[SEP])."""
         return [self.ids_to_tokens[i] for i in self._encode_text(text)[0]]
 
-    # -- encoding ------------------------------------------------------------------------------
-
-    def encode(self, text: str, text_pair: str | None = None, add_special_tokens: bool = True,
-               max_length: int | None = None, truncation: bool | str = True, padding: bool | str = False,
-               return_offsets: bool = False, pad_to_multiple_of: int | None = None,
-               return_special_tokens_mask: bool = False) -> dict:
-        """Encode one text (or pair) as ``[CLS] a [SEP] (b [SEP])``.
-
-        Returns a dict of lists: ``input_ids``, ``token_type_ids``, ``attention_mask``; with
-        ``return_offsets``, ``offsets``: (start, end) character positions in the original text of
-        each token, (0, 0) for [CLS]/[SEP]/padding; with ``return_special_tokens_mask``,
-        ``special_tokens_mask``: 1 at the [CLS]/[SEP]/padding that encoding added (HF's: a [MASK]
-        or [UNK] from the text is 0).
-
-        truncation: True / "longest_first" (HF's: trim the longer of a pair), "only_first",
-            "only_second", or False. With ``max_length=None`` it truncates to ``model_max_length``.
-        padding: False, "longest" / True (no-op for one text), or "max_length".
-        """
-        strategy = _truncation_strategy(truncation)
-        max_length = self._resolve_max_length(max_length, strategy is not None, padding, pad_to_multiple_of)
-        enc = self._encode_one(text, text_pair, add_special_tokens, max_length, strategy)
-        target = _padded_length(len(enc["input_ids"]), padding, max_length, pad_to_multiple_of)
-        return self._finish(enc, target, return_offsets, return_special_tokens_mask)
+    # -- encoding (__call__ and encode: TokenizerBase) -------------------------------------------
 
     def encode_batch(self, texts: list[str], text_pairs: list[str] | None = None, add_special_tokens: bool = True,
                      max_length: int | None = None, truncation: bool | str = True, padding: bool | str = False,
                      return_offsets: bool = False, pad_to_multiple_of: int | None = None,
                      return_special_tokens_mask: bool = False) -> dict:
-        """Encode a list of texts (or pairs). Returns a dict of lists of lists, as ``encode``;
-        ``padding="longest"`` pads every row to the longest row of the batch."""
-        if isinstance(texts, str):
-            raise TypeError("encode_batch takes a list of texts; use encode() for one text")
+        """Encode a list of texts (or pairs) as ``[CLS] a [SEP] (b [SEP])``. Returns a dict of lists of
+        lists, as ``encode``.
+
+        truncation: True / "longest_first" (HF's: trim the longer of a pair), "only_first",
+            "only_second", or False. With ``max_length=None`` it truncates to ``model_max_length``.
+        padding: False, True / "longest" (to the longest row of the batch), or "max_length".
+        """
+        strategy, max_length, padding = self._batch_options(texts, text_pairs, max_length, truncation, padding,
+                                                            pad_to_multiple_of)
         texts = list(texts)
         if text_pairs is not None:
             text_pairs = list(text_pairs)
             if len(text_pairs) != len(texts):
                 raise ValueError(f"texts and text_pairs differ in length ({len(texts)} != {len(text_pairs)})")
-        strategy = _truncation_strategy(truncation)
-        max_length = self._resolve_max_length(max_length, strategy is not None, padding, pad_to_multiple_of)
         encs = [self._encode_one(t, None if text_pairs is None else text_pairs[i], add_special_tokens,
                                  max_length, strategy) for i, t in enumerate(texts)]
         longest = max((len(e["input_ids"]) for e in encs), default=0)
-        target = _padded_length(longest, padding, max_length, pad_to_multiple_of)
+        target = padded_width(longest, padding, max_length, pad_to_multiple_of) or 0
         rows = [self._finish(e, target, return_offsets, return_special_tokens_mask) for e in encs]
         keys = (["input_ids", "token_type_ids", "attention_mask"] + (["offsets"] if return_offsets else [])
                 + (["special_tokens_mask"] if return_special_tokens_mask else []))
@@ -285,7 +264,7 @@ class ReferenceTokenizer(TokenizerBase):
         a, a_off = self._encode_text(text)
         b, b_off = self._encode_text(text_pair) if text_pair is not None else (None, None)
         n_special = (3 if b is not None else 2) if add_special_tokens else 0
-        if strategy is not None and max_length is not None:
+        if strategy != "none" and max_length is not None:
             budget = max_length - n_special
             if budget < 0:
                 raise ValueError(f"max_length={max_length} is too short for the {n_special} special tokens "
@@ -329,38 +308,6 @@ class ReferenceTokenizer(TokenizerBase):
             out["special_tokens_mask"] = special
         return out
 
-    def __call__(self, text, text_pair=None, add_special_tokens: bool = True, padding: bool | str = False,
-                 truncation: bool | str | None = None, max_length: int | None = None,
-                 pad_to_multiple_of: int | None = None, return_tensors: str | None = None,
-                 return_token_type_ids: bool = True, return_attention_mask: bool = True,
-                 return_offsets_mapping: bool = False, return_special_tokens_mask: bool = False) -> dict:
-        """Like HF ``tokenizer(text, text_pair, ...)``: a str gives lists, a list of str gives lists of
-        lists. ``truncation=None`` truncates only when ``max_length`` is given and padding is off
-        (HF's default); offsets are returned as ``offset_mapping``; ``return_tensors`` may be "np" or
-        "pt"; ``special_tokens_mask`` marks the [CLS]/[SEP]/padding this call added."""
-        truncation = default_truncation(truncation, max_length, padding)
-        if padding == "do_not_pad":
-            padding = False
-        batched = not isinstance(text, str)
-        if batched:
-            if text_pair is not None and isinstance(text_pair, str):
-                raise TypeError("text is a list but text_pair is a str; pass a list of pairs")
-            enc = self.encode_batch(text, text_pair, add_special_tokens, max_length, truncation, padding,
-                                    True, pad_to_multiple_of, return_special_tokens_mask)
-        else:
-            enc = self.encode(text, text_pair, add_special_tokens, max_length, truncation, padding,
-                              True, pad_to_multiple_of, return_special_tokens_mask)
-        offsets = enc.pop("offsets")
-        if return_offsets_mapping:
-            enc["offset_mapping"] = offsets
-        if not return_token_type_ids:
-            del enc["token_type_ids"]
-        if not return_attention_mask:
-            del enc["attention_mask"]
-        if return_tensors is not None:
-            enc = _as_tensors(enc, return_tensors)
-        return enc
-
     # decode, batch_decode, convert_tokens_to_ids, convert_ids_to_tokens: TokenizerBase.
 
 
@@ -368,21 +315,9 @@ class ReferenceTokenizer(TokenizerBase):
 # Helpers
 # ----------------------------------------------------------------------------------------------
 
-def _truncation_strategy(truncation) -> str | None:
-    if truncation is True:
-        return "longest_first"
-    if truncation is False or truncation is None or truncation == "do_not_truncate":
-        return None
-    if truncation not in _TRUNCATION_STRATEGIES:
-        raise ValueError(f"unknown truncation {truncation!r}; use True, False or one of {_TRUNCATION_STRATEGIES}")
-    return truncation
-
-
 def _truncated_lengths(len_a: int, len_b: int | None, budget: int, strategy: str) -> tuple[int, int | None]:
     """Lengths after truncation to ``budget`` tokens, as HF tokenizers' ``truncate_encodings``."""
-    if len_b is None:
-        if strategy == "only_second":
-            raise ValueError("truncation='only_second' needs a text pair")
+    if len_b is None:  # "only_second" without a pair is refused before (TokenizerBase._batch_options)
         return min(len_a, budget), None
     total = len_a + len_b
     if total <= budget:
@@ -406,40 +341,6 @@ def _truncated_lengths(len_a: int, len_b: int | None, budget: int, strategy: str
     if strategy == "only_first":
         return len_a - to_remove, len_b
     return len_a, len_b - to_remove
-
-
-def _padded_length(longest: int, padding, max_length: int | None, pad_to_multiple_of: int | None) -> int:
-    if padding is True:
-        padding = "longest"
-    if padding is False or padding is None:
-        return 0
-    if padding == "longest":
-        target = longest
-    elif padding == "max_length":  # rows longer than max_length (no truncation) stay as they are, as HF
-        target = max_length
-    else:
-        raise ValueError(f"unknown padding {padding!r}; use False, True / 'longest' or 'max_length'")
-    if pad_to_multiple_of:
-        target = -(-target // pad_to_multiple_of) * pad_to_multiple_of
-    return target
-
-
-def _as_tensors(enc: dict, kind: str) -> dict:
-    if kind not in ("np", "pt"):
-        raise ValueError(f"return_tensors must be None, 'np' or 'pt', got {kind!r}")
-    import numpy as np
-    out = {}
-    for key, value in enc.items():
-        try:
-            arr = np.asarray(value, dtype=np.int64)
-        except ValueError:
-            raise ValueError(f"return_tensors={kind!r} needs rows of equal length; pass padding=True "
-                             f"or padding='max_length'") from None
-        if kind == "pt":
-            import torch
-            arr = torch.from_numpy(arr)
-        out[key] = arr
-    return out
 
 
 __all__ = ["ReferenceTokenizer", "BasicTokenizer", "load_vocab", "is_whitespace", "is_control",

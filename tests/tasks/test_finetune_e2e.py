@@ -81,7 +81,7 @@ def test_multiple_choice_end_to_end_matches_hf(tmp_path, data_dir, minilm_dir, t
     trained by fastbert and by HF's BertForMultipleChoice without dropout: the same losses step by
     step and the same dev accuracy."""
     from fastbert.data.glue import get_task, read_examples, split_path
-    from fastbert.tasks.hf_reference import hf_finetune, load_hf_model
+    from hf_reference import hf_finetune, load_hf_model
     task = get_task("sst2")
     mc = tmp_path / "mc"
     mc.mkdir()

@@ -1,7 +1,7 @@
 """fastbert fine-tuning (DeepSpeed engine, fastbert model) vs a plain HF transformers loop
 (BertForSequenceClassification loaded from the same all-MiniLM-L6-v2 folder), on real SST-2 and
 MRPC subsets: same features, batches and order, seed, parameter groups, learning rates, schedule,
-AdamW, clipping and initial head (fastbert/tasks/hf_reference.py).
+AdamW, clipping and initial head (tests/tasks/hf_reference.py).
 
 * Dropout off, the two runs are the same computation in a different op order: per-step losses
   agree to 1e-4 and dev predictions are identical.
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from fastbert.tasks.finetune import make_task, run_finetune
-from fastbert.tasks.hf_reference import hf_finetune, load_hf_model
 from fastbert.tasks.trainer import TrainArgs
+from hf_reference import hf_finetune, load_hf_model
 
 transformers = pytest.importorskip("transformers")
 

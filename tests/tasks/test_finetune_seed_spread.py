@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from fastbert import BertForSequenceClassification
 from fastbert.tasks.finetune import make_task, run_finetune
-from fastbert.tasks.hf_reference import hf_finetune, load_hf_model
 from fastbert.tasks.trainer import TrainArgs, epoch_batches
+from hf_reference import hf_finetune, load_hf_model  # tests/tasks/hf_reference.py
 
 transformers = pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[2]

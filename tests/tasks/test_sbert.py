@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
+from fastbert.analysis.clustering import cluster_texts, kmeans
 from fastbert.cli import main
 from fastbert.data.sentence_pairs import read_pairs
-from fastbert.tasks.clustering import cluster_texts, kmeans
 from fastbert.tasks.sbert import SentenceBert, encode_pairs, evaluate_pairs
 from fastbert.tasks.trainer import TrainArgs
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from fastbert.data import conll, glue, multiple_choice, sentence_pairs, squad
-from fastbert.data.glue import DataError
+from fastbert.errors import DataError
 
 
 @pytest.mark.parametrize("task, split, count, labels", [

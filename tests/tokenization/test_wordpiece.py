@@ -443,11 +443,11 @@ def gpu_path_equals_cpu(tok, gpu, texts, pairs, device, **kwargs):
     import torch
     cpu = tok.encode_batch(texts, pairs, return_offsets=True, **kwargs)
     args = dict(add_special_tokens=kwargs.get("add_special_tokens", True), return_offsets=True)
-    from fastbert.tokenization.wordpiece import _padding_mode, _truncation_strategy
-    strategy = _truncation_strategy(kwargs.get("truncation", True))
+    from fastbert.tokenization.base import padding_mode, truncation_strategy
+    strategy = truncation_strategy(kwargs.get("truncation", True))
     max_length = tok._resolve_max_length(kwargs.get("max_length"), strategy != "none", kwargs.get("padding", False),
                                          kwargs.get("pad_to_multiple_of"))
-    padding = _padding_mode(kwargs.get("padding", False))
+    padding = padding_mode(kwargs.get("padding", False))
     got = gpu.encode_batch(texts, pairs, device, max_length=-1 if max_length is None else max_length,
                            truncation=strategy, padding=padding, pad_to_multiple_of=kwargs.get("pad_to_multiple_of") or 0,
                            cls_id=tok.cls_token_id, sep_id=tok.sep_token_id, pad_id=tok.pad_token_id, **args)

@@ -1,6 +1,6 @@
 """k-means clustering of sentence embeddings (numpy): k-means++ seeding, Lloyd iterations, best of
 ``n_init`` restarts by inertia (the within-cluster sum of squared distances), as scikit-learn's
-``KMeans`` does. With L2-normalized embeddings (``fastbert.embeddings.encode_sentences``'s
+``KMeans`` does. With L2-normalized embeddings (``fastbert.sentence_embeddings.encode_sentences``'s
 default) squared Euclidean distance is ``2 - 2 cos``, so this clusters by cosine similarity.
 """
 from __future__ import annotations
@@ -71,7 +71,7 @@ def kmeans(x, k: int, n_init: int = 10, max_iter: int = 300, tol: float = 1e-6, 
 def cluster_texts(model, tokenizer, texts, k: int, batch_size: int = 64, max_length: int = 256, seed: int = 0,
                   progress: bool = False) -> tuple[KMeansResult, np.ndarray]:
     """Embed ``texts`` (mean pooling, L2-normalized) and k-means them; returns the result and embeddings."""
-    from fastbert.embeddings import encode_sentences
+    from fastbert.sentence_embeddings import encode_sentences
 
     emb = encode_sentences(model, tokenizer, list(texts), batch_size=batch_size, max_length=max_length,
                            normalize=True, progress=progress).numpy()

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from fastbert.analysis.features import combine_layers, parse_layers
 from fastbert.cli import main
-from fastbert.tasks.features import combine_layers, parse_layers
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "BERT looks at [SEP] a lot.",
          "Short one", "A sentence pair ||| with a second segment."]
@@ -108,8 +108,8 @@ def test_attention_cli_equals_hf(tmp_path, minilm_dir, hf_model, tokenizer, caps
 ])
 def test_read_inputs_glue_layout(data_dir, name, count, first, pair):
     """GLUE files are read by their text column(s): no header row, no label, no id becomes an input."""
+    from fastbert.analysis.loading import read_inputs
     from fastbert.data.glue import TASKS, read_examples
-    from fastbert.tasks.loading import read_inputs
     texts, pairs = read_inputs(data_dir / "glue" / name)
     assert len(texts) == len(pairs) == count
     assert texts[0].startswith(first.strip()) and (pairs[0] is None) == (pair is None)
@@ -121,8 +121,8 @@ def test_read_inputs_glue_layout(data_dir, name, count, first, pair):
 
 
 def test_read_inputs_columns_and_errors(tmp_path, data_dir):
-    from fastbert.cli import UsageError
-    from fastbert.tasks.loading import read_inputs
+    from fastbert.analysis.loading import read_inputs
+    from fastbert.errors import UsageError
     mrpc = data_dir / "glue" / "MRPC" / "dev.tsv"
     texts, pairs = read_inputs(mrpc, column="#2 String", pair_column="#1 String")
     assert len(texts) == 408 and texts[0].startswith("\" The foodservice") and pairs[0].startswith("He said")

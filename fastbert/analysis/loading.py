@@ -12,12 +12,11 @@ def resolve_device(device: Optional[str]) -> torch.device:
     return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def load_encoder(model_dir, kernels: Optional[str] = None, device: Optional[str] = None, cls=None):
+def load_encoder(model_dir, kernels: Optional[str] = None, device: Optional[str] = None, cls=None,
+                 dtype: Optional[torch.dtype] = None):
     """``(model, tokenizer, device)`` for an HF BERT checkpoint folder (any Bert* head: the encoder is
-    taken). fp32 on the CPU, bf16 on CUDA unless ``FASTBERT_FP32=1``."""
-    import os
-
-    from fastbert.cli import UsageError
+    taken), in ``dtype``: by default fp32 on the CPU and bf16 on CUDA."""
+    from fastbert.errors import UsageError
     from fastbert.model import BertModel
     from fastbert.tokenization import load_tokenizer
 
@@ -32,8 +31,9 @@ def load_encoder(model_dir, kernels: Optional[str] = None, device: Optional[str]
     dev = resolve_device(device)
     kernels = kernels or ("triton" if dev.type == "cuda" else "torch")
     model = (cls or BertModel).from_pretrained(model_dir, kernels=kernels).to(dev)
-    if dev.type == "cuda" and os.environ.get("FASTBERT_FP32") != "1":
-        model = model.to(torch.bfloat16)
+    if dtype is None:
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = model.to(dtype)
     model.eval()
     return model, load_tokenizer(model_dir), dev
 
@@ -49,7 +49,7 @@ def read_inputs(path, pair_separator: str = " ||| ", column: Optional[str] = Non
     numbers (every row is data). Without ``column`` the GLUE layout is recognised
     (``fastbert.data.glue.text_columns``: SST-2's ``sentence``, MRPC's ``#1 String`` / ``#2 String``,
     CoLA's header-less 4th column, ...); labels and ids are never read as text."""
-    from fastbert.cli import UsageError
+    from fastbert.errors import UsageError
     from fastbert.textio import READ_ERRORS, open_text, unreadable
 
     path = Path(path)
@@ -82,8 +82,8 @@ def read_inputs(path, pair_separator: str = " ||| ", column: Optional[str] = Non
 
 def _columns(path: Path, rows: dict[int, list[str]], column, pair_column) -> tuple[list[str], list[Optional[str]]]:
     """The text (and pair) column of tab-separated ``rows`` ({line number: fields}); see read_inputs."""
-    from fastbert.cli import UsageError
     from fastbert.data.glue import text_columns
+    from fastbert.errors import UsageError
 
     if not rows:
         return [], []
@@ -115,7 +115,7 @@ def _columns(path: Path, rows: dict[int, list[str]], column, pair_column) -> tup
 
 
 def _column_index(path: Path, header: list[str], name: str) -> int:
-    from fastbert.cli import UsageError
+    from fastbert.errors import UsageError
 
     if str(name).isdigit():
         return int(name)
