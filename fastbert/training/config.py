@@ -9,15 +9,12 @@ import copy
 import json
 from pathlib import Path
 
+from fastbert.errors import ConfigError
 from fastbert.training.config_keys import KEYS, defaults, leaves, problem
 
 DEFAULTS: dict = defaults()         # every key with its type and meaning: training/config_keys.py
 
 _OPEN_DICTS = {("model", "overrides"), ("train", "optimizer")}
-
-
-class ConfigError(ValueError):
-    pass
 
 
 def _merge(base: dict, update: dict, path: tuple = ()) -> dict:
