@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from fastbert.ops import get_ops
+from fastbert.ops import get_ops, resolve_kernels
 from fastbert.padding import pad, unpad
 from fastbert.padding_rows import (Rows, attention_maps_or_packed, label_positions, pooled_position, union, unpad_rows,
                                    with_padding_rows)
@@ -324,7 +324,7 @@ def _patched_forward(self, input_ids=None, attention_mask=None, token_type_ids=N
     if attention_mask is None:
         attention_mask = torch.ones((batch, seq), dtype=torch.long, device=ref.device)
 
-    kernels = getattr(self, _STATE)["kernels"] or ("triton" if ref.is_cuda else "torch")
+    kernels = resolve_kernels(getattr(self, _STATE)["kernels"], ref.device)
     ops = get_ops(kernels)
     # Masked positions something reads: the head's loss positions (from its wrapped forward) and
     # position 0 for the pooler, computed as HF computes them.

@@ -225,3 +225,14 @@ def test_real_minilm_checkpoint(minilm_dir):
         got = fp.patch(model)(**batch)
     torch.testing.assert_close(got.last_hidden_state[real], want.last_hidden_state[real], **TOL)
     torch.testing.assert_close(got.pooler_output, want.pooler_output, **TOL)
+
+
+def test_one_rule_resolves_kernels():
+    """`auto` / unset mean Triton on CUDA and torch elsewhere, wherever a command leaves it open."""
+    from fastbert.ops import resolve_kernels
+    assert resolve_kernels(None, "cpu") == resolve_kernels("auto", torch.device("cpu")) == "torch"
+    assert resolve_kernels("auto", "cuda") == resolve_kernels(None, torch.device("cuda:0")) == "triton"
+    assert resolve_kernels("torch", "cuda") == "torch" and resolve_kernels("triton", "cpu") == "triton"
+    assert resolve_kernels(None) == ("triton" if torch.cuda.is_available() else "torch")
+    with pytest.raises(ValueError, match="use 'auto', 'torch' or 'triton'"):
+        resolve_kernels("cuda", "cpu")

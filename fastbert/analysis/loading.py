@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from fastbert.ops import resolve_kernels
+
 
 def resolve_device(device: Optional[str]) -> torch.device:
     return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -29,7 +31,7 @@ def load_encoder(model_dir, kernels: Optional[str] = None, device: Optional[str]
             raise UsageError(f"{model_dir} has no {need}: pass an HF BERT checkpoint directory with config.json, "
                              "weights and vocab.txt" + not_a_checkpoint_hint(model_dir))
     dev = resolve_device(device)
-    kernels = kernels or ("triton" if dev.type == "cuda" else "torch")
+    kernels = resolve_kernels(kernels, dev)
     model = (cls or BertModel).from_pretrained(model_dir, kernels=kernels).to(dev)
     if dtype is None:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

@@ -31,6 +31,7 @@ def run(args) -> int:
     from fastbert import BertModel
     from fastbert.errors import UsageError
     from fastbert.io import atomic_path
+    from fastbert.ops import resolve_kernels
     from fastbert.sentence_embeddings import encode_sentences, read_lines, top_k
     from fastbert.tokenization import load_tokenizer
 
@@ -42,7 +43,7 @@ def run(args) -> int:
         raise UsageError(f"{model_dir} has no vocab.txt: pass an HF checkpoint directory with its tokenizer files"
                          + not_a_checkpoint_hint(model_dir))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    kernels = args.kernels or ("triton" if device.type == "cuda" else "torch")
+    kernels = resolve_kernels(args.kernels, device)
     lines = []
     for path in args.corpus:
         lines += read_lines(path, None if args.max_lines is None else args.max_lines - len(lines))

@@ -1,10 +1,27 @@
 """Fused ops, one file each (reference + Triton kernels), and the dispatch the model uses.
 
-``get_ops("torch")`` returns the plain-PyTorch references; ``get_ops("triton")`` the fused kernels.
+``get_ops("torch")`` returns the plain-PyTorch references; ``get_ops("triton")`` the fused kernels;
+``resolve_kernels`` is the one rule for ``"auto"`` / unset.
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+KERNELS = ("torch", "triton")
+
+
+def resolve_kernels(spec: Optional[str], device=None) -> str:
+    """``"torch"`` or ``"triton"`` for a kernels setting: ``None`` / ``"auto"`` mean the fused Triton
+    kernels on a CUDA device and the torch references elsewhere. ``device``: the device the model
+    runs on (a ``torch.device``, a string, or None for "CUDA when there is one")."""
+    if spec in (None, "auto"):
+        cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+        return "triton" if cuda else "torch"
+    if spec not in KERNELS:
+        raise ValueError(f"unknown kernels={spec!r}; use 'auto', 'torch' or 'triton'")
+    return spec
 
 
 class Ops(NamedTuple):

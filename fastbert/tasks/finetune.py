@@ -22,6 +22,7 @@ import torch
 from fastbert.data.glue import TASKS as GLUE_TASKS
 from fastbert.errors import DataError
 from fastbert.io import atomic_path, atomic_write_text
+from fastbert.ops import resolve_kernels
 from fastbert.tasks.trainer import TrainArgs, build_finetune_engine, param_groups, train
 
 log = logging.getLogger("fastbert")
@@ -114,8 +115,7 @@ def run_finetune(task_name: str, data, model_dir, output: Optional[str] = None, 
         raise FinetuneError(f"--max-seq-len {max_seq_len} exceeds the model's max_position_embeddings "
                             f"{config.get('max_position_embeddings')}; use a smaller --max-seq-len")
     _check_args(args, max_seq_len)
-    if kernels is None:
-        kernels = "triton" if torch.cuda.is_available() else "torch"
+    kernels = resolve_kernels(kernels)
     tokenizer = tokenizer or load_tokenizer(model_dir)
     task = make_task(task_name, data, tokenizer, max_seq_len, max_train_samples, max_eval_samples,
                      **(task_options or {}))

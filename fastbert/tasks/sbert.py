@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from fastbert.data.sentence_pairs import SentencePair, read_pairs
 from fastbert.errors import DataError
 from fastbert.model import BertModel, ModelOutput, mean_pool
+from fastbert.ops import resolve_kernels
 from fastbert.tasks.base import batch_rows
 from fastbert.tasks.metrics import accuracy, pearson, spearman
 from fastbert.tasks.trainer import TrainArgs, build_finetune_engine, pad_batch, param_groups, train
@@ -163,8 +164,7 @@ def run_sbert(model_dir, data, objective: str, output=None, eval_data=None, args
     tr_t, dv_t, labels, scale = prepare_targets(train_pairs, dev_pairs, objective, kind, score_max)
     tokenizer = load_tokenizer(model_dir)
     features = encode_pairs(train_pairs, tokenizer, max_seq_len, tr_t)
-    if kernels is None:
-        kernels = "triton" if torch.cuda.is_available() else "torch"
+    kernels = resolve_kernels(kernels)
 
     torch.manual_seed(args.seed)
     model = SentenceBert(BertModel.from_pretrained(model_dir, kernels=kernels), objective,

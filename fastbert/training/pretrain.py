@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from fastbert.io import atomic_write_text
+from fastbert.ops import resolve_kernels
 from fastbert.training import checkpoint as ckpt
 from fastbert.training import determinism, hf_export, preflight
 from fastbert.training.engine import DistInfo, all_reduce_sum, barrier, build_engine, load_ds_config
@@ -66,9 +67,7 @@ def build_model(cfg: dict, index: dict, device: torch.device):
     import fastbert
     from fastbert.config import BertConfig
     m = cfg["model"]
-    kernels = m["kernels"]
-    if kernels == "auto":
-        kernels = "triton" if device.type == "cuda" else "torch"
+    kernels = resolve_kernels(m["kernels"], device)
     overrides = dict(m["overrides"])
     vocab = overrides.pop("vocab_size", index["vocab_size"])
     if vocab != index["vocab_size"]:
