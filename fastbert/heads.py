@@ -226,7 +226,6 @@ class BertForSequenceClassification(BertPreTrainedModel):
         res = ModelOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
         return res if return_dict else res.to_tuple()
 
-
     def _forward_packed(self, packed: dict, return_dict: bool = True):
         """The static-shape step of ``fastbert finetune`` (``data/static_batch.pack_examples``):
         examples back to back, each pooled at its first token (``cls_positions``); the loss is HF's

@@ -19,9 +19,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-import numpy as np
 import torch
 from tqdm import tqdm
+
+from fastbert.training.engine import to_device
 
 
 @dataclass
@@ -122,23 +123,6 @@ def total_steps(n: int, batch_size: int, epochs: float, world: int = 1) -> int:
     return max(1, math.ceil(steps_per_epoch(n, batch_size, world) * epochs))
 
 
-def batch_to_device(batch: dict, device: torch.device) -> dict:
-    """Tensors and numpy arrays (also one level down, as in ``{"packed": {...}}``) onto ``device``;
-    on CUDA through pinned memory without waiting (a copy from pageable memory would wait for the
-    GPU to drain first). Other values pass through."""
-    def move(v):
-        if isinstance(v, dict):
-            return {k: move(x) for k, x in v.items()}
-        if isinstance(v, np.ndarray):
-            v = torch.from_numpy(v)
-        if not torch.is_tensor(v):
-            return v
-        if device.type == "cuda" and not v.is_cuda:
-            return v.pin_memory().to(device, non_blocking=True)
-        return v.to(device)
-    return move(batch)
-
-
 def pad_batch(rows: Sequence[dict], pad_values: dict[str, int], device=None) -> dict[str, torch.Tensor]:
     """Stack feature dicts into tensors; list-valued fields are right-padded to the longest row.
 
@@ -221,7 +205,7 @@ def train(engine, features: Sequence[dict], collate: Callable[[list], dict], arg
             if step >= n_total:
                 break
             set_group_lrs(engine.ds.optimizer, lr_multiplier(step, n_total, args.warmup))
-            batch = batch_to_device(collate([features[i] for i in idx]), engine.device)
+            batch = to_device(collate([features[i] for i in idx]), engine.device)
             loss = engine(**batch).loss
             engine.backward(loss)
             engine.step()

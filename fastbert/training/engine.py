@@ -27,6 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Optional, Union
 
+import numpy as np
 import torch
 
 from fastbert.training.optim import (OptimizerSpec, build_client_optimizer, ds_optimizer_entry,
@@ -148,6 +149,23 @@ def all_reduce_sum(values: list[float], device) -> list[float]:
 
 
 # ---------------------------------------------------------------------------------------- DS config
+def to_device(batch: dict, device: torch.device) -> dict:
+    """A batch's tensors and numpy arrays (also one level down, as in ``{"packed": {...}}``) onto
+    ``device``; on CUDA from pinned memory without waiting (a copy from pageable memory would wait
+    for the GPU to drain first; pinned tensors are used as they are). Other values pass through."""
+    def move(v):
+        if isinstance(v, dict):
+            return {k: move(x) for k, x in v.items()}
+        if isinstance(v, np.ndarray):
+            v = torch.from_numpy(v)
+        if not torch.is_tensor(v):
+            return v
+        if device.type == "cuda" and not v.is_cuda:
+            return v.pin_memory().to(device, non_blocking=True)
+        return v.to(device)
+    return move(batch)
+
+
 def resolve_precision(precision: str, device: torch.device) -> str:
     if precision not in PRECISIONS:
         raise EngineConfigError(f"precision {precision!r} is not known; use one of {PRECISIONS}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fastbert.training.engine import TrainEngine, all_reduce_sum
+from fastbert.training.engine import TrainEngine, all_reduce_sum, to_device
 from fastbert.training.logging import train_flops_per_sequence
 from fastbert.training.schedules import TimeBudgetSchedule
 
@@ -49,10 +49,6 @@ class Accumulator:
         vals = t.tolist()
         self.reset()
         return dict(zip(self.KEYS, vals[:len(self.KEYS)])), vals[len(self.KEYS):]
-
-
-def to_device(batch: dict, device) -> dict:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def static_inputs(batch: dict, collator, device) -> dict:
