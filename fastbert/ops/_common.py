@@ -1,5 +1,10 @@
-"""Plumbing shared by the fused Triton ops: custom-op registration, dropout seeds and masks,
-launch settings, input checks.
+"""Plumbing shared by the fused Triton ops: the one guarded Triton import, custom-op registration,
+dropout seeds and masks, launch settings, input checks.
+
+Triton is optional (``pip install triton``, or the ``fastbert[triton]`` extra): every op file takes
+``triton`` and ``tl`` from here, never imports Triton itself. Without Triton they are stand-ins, so
+the op files still import and their plain-PyTorch references (``kernels="torch"``) run; defining a
+kernel is a no-op, and launching one, or any other use, raises the one error that names the fix.
 
 Dropout everywhere uses Triton's counter-based Philox generator keyed by an integer seed and
 the flat element offset ``row * n_cols + col`` (int64), so the backward regenerates the forward's
@@ -7,6 +12,8 @@ mask instead of storing it, and ``dropout_mask`` reproduces it for tests. The se
 kernels as a one-element int64 tensor on the device (``dropout_seed``): drawn there by torch's
 generator, it needs no host round trip, and a CUDA graph replay draws a fresh one.
 """
+from __future__ import annotations
+
 import os
 
 # Tuning paid once: Triton stores each autotuned kernel's choice on disk, keyed by the card and the
@@ -15,8 +22,69 @@ import os
 os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
 
 import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+
+TRITON_MISSING = ("fastbert's fused kernels (kernels='triton') need the triton package: pip install triton "
+                  "(or pip install 'fastbert[triton]'); or use kernels='torch', which runs anywhere")
+
+
+def _triton_missing(*_, **__):
+    raise RuntimeError(TRITON_MISSING)
+
+
+class _MissingKernel:
+    """A kernel defined without Triton: launching it (``kernel[grid](...)``) or calling it raises."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.__name__ = self.__qualname__ = getattr(fn, "__name__", "kernel")
+        self.__doc__ = getattr(fn, "__doc__", None)
+
+    def __getitem__(self, grid):
+        return _triton_missing
+
+    def __call__(self, *args, **kwargs):
+        _triton_missing()
+
+
+class _MissingTriton:
+    """Stands in for both ``triton`` and ``triton.language`` when Triton is not installed: the
+    decorators and ``Config`` / ``constexpr`` used while an op file is imported work; anything else
+    raises :data:`TRITON_MISSING`."""
+
+    def jit(self, fn=None, **_):
+        return _MissingKernel if fn is None else _MissingKernel(fn)
+
+    def autotune(self, *_, **__):
+        return lambda kernel: kernel
+
+    heuristics = autotune
+
+    def Config(self, *args, **kwargs):  # noqa: N802 - triton's name
+        return args, kwargs
+
+    def constexpr(self, value=None):
+        return value
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        _triton_missing()
+
+
+try:
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except ImportError:  # the references (kernels="torch") work without it
+    triton = tl = _MissingTriton()
+    HAS_TRITON = False
+
+
+def require_triton():
+    """Raise the error that says how to get the fused kernels, unless Triton is installed."""
+    if not HAS_TRITON:
+        _triton_missing()
+
 
 # Triton reads TRITON_INTERPRET when a kernel is defined; tests/conftest.py sets it before import.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -79,7 +147,8 @@ def autocast_dtype(device: torch.device):
 
 # ----------------------------------------------------------------------------- checks
 def check_triton_device(*tensors):
-    """Triton kernels need CUDA tensors, or the interpreter (TRITON_INTERPRET=1) for CPU ones."""
+    """Triton kernels need Triton, and CUDA tensors or the interpreter (TRITON_INTERPRET=1) for CPU ones."""
+    require_triton()
     for t in tensors:
         if t is not None and not t.is_cuda and not INTERPRET:
             raise RuntimeError(

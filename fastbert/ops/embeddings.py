@@ -29,12 +29,10 @@ def bert_embeddings_ref(input_ids, position_ids, token_type_ids, word_weight, po
 # the sum into fp32 word / position buffers with atomics. The token-type table has a handful of
 # rows hit by every token, where atomics would serialize, so each program reduces its rows into
 # per-type partial sums in registers instead.
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 from fastbert.ops._common import (  # noqa: E402
     check_dropout_p, check_hidden, check_triton_device, drop_threshold, dropout_keep, num_sms, register_op,
-    dropout_seed, row_block)
+    dropout_seed, row_block, tl, triton)
 
 # Token-type tables up to this many rows are reduced in registers; larger ones use atomics.
 _MAX_TYPES_IN_REGS = 8

@@ -20,10 +20,9 @@ def linear_bias_gelu_ref(x, weight, bias, approximate="none"):
 # keeps it) for the backward, whose elementwise GELU derivative is one fused kernel that also
 # reduces d(bias); dgrad / wgrad are cuBLAS matmuls.
 import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
-from fastbert.ops._common import INTERPRET, autocast_dtype, check_triton_device, num_sms, register_op  # noqa: E402
+from fastbert.ops._common import (  # noqa: E402
+    INTERPRET, autocast_dtype, check_triton_device, num_sms, register_op, tl, triton)
 
 @triton.jit
 def _tanh(u):

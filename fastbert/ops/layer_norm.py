@@ -41,12 +41,10 @@ def dropout_add_layer_norm_ref(x, residual, weight, bias, eps, x_bias=None, drop
 # fp32 and never rounded before the statistics; the backward recomputes it from the inputs (and
 # regenerates the dropout mask from the seed) instead of storing it, so the forward moves three
 # tensors (x, residual in; y out), the minimum.
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 from fastbert.ops._common import (  # noqa: E402
     check_dropout_p, check_hidden, check_triton_device, drop_threshold, dropout_keep, num_sms, register_op,
-    dropout_seed, row_block)
+    dropout_seed, row_block, tl, triton)
 
 
 @triton.jit

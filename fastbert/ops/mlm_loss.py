@@ -70,10 +70,8 @@ def _static_ref(hidden, labels, positions, dense_weight, dense_bias, ln_weight, 
 # The backward walks the vocabulary in chunks: a kernel recomputes a chunk's logits and writes its
 # d(logits) = (softmax - onehot) * g / n (n x chunk, the only logits-sized buffer), then two cuBLAS
 # matmuls accumulate d(hidden) and write the chunk's rows of d(decoder_weight).
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
-from fastbert.ops._common import INTERPRET, autocast_dtype, check_triton_device, register_op  # noqa: E402
+from fastbert.ops._common import INTERPRET, autocast_dtype, check_triton_device, register_op, tl, triton  # noqa: E402
 from fastbert.ops.ffn import input_precision, linear_bias_gelu, mm_tile  # noqa: E402
 from fastbert.ops.layer_norm import dropout_add_layer_norm  # noqa: E402
 
