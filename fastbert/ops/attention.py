@@ -13,11 +13,12 @@ the torch custom ops that let ``torch.compile`` wrap them, the ``autograd.Functi
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 
+from fastbert.ops._common import (
+    autocast_dtype, check_dropout_p, check_triton_device, dropout_seed, register_op, tl, triton)
 from fastbert.padding import unpad_by_seqlens, pad, unpad
 
 
@@ -56,34 +57,22 @@ def varlen_attention_ref(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax
 
 
 # ============================================================================ Triton kernels
-try:
-    import triton
-    import triton.language as tl
-    _jit = triton.jit
-
-    from fastbert.ops._common import dropout_seed
-except ImportError:  # pragma: no cover - the reference above works without triton
-    triton = tl = None
-
-    def _jit(fn=None, **_):
-        return fn if fn is not None else (lambda f: f)
-
 _LOG2E = 1.4426950408889634
 # Dropout draws one Philox number per (query, key) pair of a sequence: the counter is
 # ``row * max_seqlen + col`` (local to the sequence) and the key is the seed (read from the seed
 # tensor) in the low 32 bits plus the (sequence, head) stream in the high 32 bits, so forward and
 # backward regenerate the same mask whatever block sizes they use.
-_STREAM_SHIFT = tl.constexpr(2**32) if tl is not None else 2**32  # kernels read only constexpr globals
+_STREAM_SHIFT = tl.constexpr(2**32)  # kernels read only constexpr globals
 
 
-@_jit
+@triton.jit
 def _philox_keep(SEED, stream, rows, cols, max_seqlen, dropout_p):
     """Boolean keep-mask for the ``(rows, cols)`` grid of one (sequence, head) stream."""
     key = tl.load(SEED).to(tl.int64) + stream.to(tl.int64) * _STREAM_SHIFT
     return tl.rand(key, rows * max_seqlen + cols) >= dropout_p
 
 
-@_jit(do_not_specialize=["max_seqlen"])
+@triton.jit(do_not_specialize=["max_seqlen"])
 def _fwd_kernel(
     Q, K, V, O, LSE, CU_SEQLENS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -145,7 +134,7 @@ def _fwd_kernel(
     tl.store(LSE + head * stride_lse_h + start + offs_m, m_i + tl.math.log2(l_safe), mask=mask_m)
 
 
-@_jit(do_not_specialize=["max_seqlen"])
+@triton.jit(do_not_specialize=["max_seqlen"])
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
@@ -211,7 +200,7 @@ def _bwd_dkdv_kernel(
              dv.to(DV.dtype.element_ty), mask=mask_nd)
 
 
-@_jit(do_not_specialize=["max_seqlen"])
+@triton.jit(do_not_specialize=["max_seqlen"])
 def _bwd_dq_kernel(
     Q, K, V, O, DO, LSE, DELTA, DQ, CU_SEQLENS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
@@ -274,7 +263,7 @@ def _bwd_dq_kernel(
              dq.to(DQ.dtype.element_ty), mask=mask_md)
 
 
-@_jit(do_not_specialize=["max_seqlen"])
+@triton.jit(do_not_specialize=["max_seqlen"])
 def _bwd_short_kernel(
     Q, K, V, O, DO, LSE, DQ, DK, DV, CU_SEQLENS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot, stride_doh,
@@ -350,10 +339,6 @@ _GPU_CONFIGS = {
 _SHORT_BWD_MAX = 128
 _SHORT_BWD_WARPS = {16: 4, 32: 4, 64: 4, 128: 8}
 _INTERPRETER_CONFIG = (32, 32, 1, 1)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _launch_config(kind: str, head_dim: int, max_seqlen: int, device: torch.device):
@@ -456,50 +441,33 @@ def _backward_packed(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, dropo
 
 
 # ============================================================================ torch custom ops
-# Under torch.compile the autograd.Function below calls these ops, which Inductor treats as opaque
-# kernels with known output shapes; in eager mode it calls the host wrappers directly (the
-# dispatcher round-trip costs more than a short BERT attention). Registration needs
-# torch.library.custom_op (torch >= 2.4); without it compile graph-breaks around the kernels.
-def _register_custom_ops():
-    try:
-        fwd = torch.library.custom_op(
-            "fastbert::varlen_attention_fwd", varlen_attention_forward, mutates_args=(),
-            schema="(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, SymInt max_seqlen, float dropout_p, "
-                   "float softmax_scale, Tensor? seed) -> (Tensor, Tensor)")
-        bwd = torch.library.custom_op(
-            "fastbert::varlen_attention_bwd", _backward_packed, mutates_args=(),
-            schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens, "
-                   "SymInt max_seqlen, float dropout_p, float softmax_scale, Tensor? seed) -> Tensor")
-    except (AttributeError, RuntimeError, TypeError, ValueError):  # old torch, or registered twice
-        return None, None
-
-    @fwd.register_fake
-    def _fwd_fake(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
-        total, nheads, head_dim = q.shape
-        return q.new_empty((total, nheads, head_dim)), q.new_empty((nheads, total), dtype=torch.float32)
-
-    @bwd.register_fake
-    def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
-        total, nheads, head_dim = q.shape
-        return q.new_empty((total, 3, nheads, head_dim))
-
-    return fwd, bwd
+def _fwd_fake(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
+    total, nheads, head_dim = q.shape
+    return q.new_empty((total, nheads, head_dim)), q.new_empty((nheads, total), dtype=torch.float32)
 
 
-_fwd_op, _bwd_op = _register_custom_ops() if triton is not None else (None, None)
+def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
+    total, nheads, head_dim = q.shape
+    return q.new_empty((total, 3, nheads, head_dim))
 
 
-def _compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+_fwd_op = register_op(
+    "varlen_attention_fwd",
+    "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, SymInt max_seqlen, float dropout_p, float softmax_scale, "
+    "Tensor? seed) -> (Tensor, Tensor)",
+    varlen_attention_forward, _fwd_fake)
+_bwd_op = register_op(
+    "varlen_attention_bwd",
+    "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens, SymInt max_seqlen, "
+    "float dropout_p, float softmax_scale, Tensor? seed) -> Tensor",
+    _backward_packed, _bwd_fake)
 
 
 # ============================================================================ autograd + entry point
 class VarlenAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
-        fwd = _fwd_op if (_fwd_op is not None and _compiling()) else varlen_attention_forward
-        out, lse = fwd(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed)
+        out, lse = _fwd_op(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
         ctx.args = (max_seqlen, dropout_p, softmax_scale, seed)
         return out
@@ -507,8 +475,7 @@ class VarlenAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-        bwd = _bwd_op if (_bwd_op is not None and _compiling()) else _backward_packed
-        dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_seqlens, *ctx.args).unbind(1)  # (T, nh, hd) each
+        dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, cu_seqlens, *ctx.args).unbind(1)  # (T, nh, hd) each
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -520,8 +487,7 @@ class VarlenAttentionQKVPackedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
         q, k, v = qkv.unbind(1)  # (T, nh, hd) views
-        fwd = _fwd_op if (_fwd_op is not None and _compiling()) else varlen_attention_forward
-        out, lse = fwd(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed)
+        out, lse = _fwd_op(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed)
         ctx.save_for_backward(qkv, out, lse, cu_seqlens)
         ctx.args = (max_seqlen, dropout_p, softmax_scale, seed)
         return out
@@ -530,8 +496,7 @@ class VarlenAttentionQKVPackedFunction(torch.autograd.Function):
     def backward(ctx, dout):
         qkv, out, lse, cu_seqlens = ctx.saved_tensors
         q, k, v = qkv.unbind(1)
-        bwd = _bwd_op if (_bwd_op is not None and _compiling()) else _backward_packed
-        return bwd(dout, q, k, v, out, lse, cu_seqlens, *ctx.args), None, None, None, None, None
+        return _bwd_op(dout, q, k, v, out, lse, cu_seqlens, *ctx.args), None, None, None, None, None
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -551,21 +516,8 @@ def _check_inputs(q, k, v, cu_seqlens, dropout_p):
                         f"got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
     if not (q.device == k.device == v.device == cu_seqlens.device):
         raise ValueError("q, k, v and cu_seqlens must be on one device")
-    if q.device.type != "cuda" and not _interpreting():
-        raise RuntimeError("the Triton varlen_attention needs a CUDA device (or TRITON_INTERPRET=1 set before "
-                           "fastbert is imported, for CPU tests); on CPU use kernels='torch'")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if triton is None:  # pragma: no cover
-        raise RuntimeError("varlen_attention needs triton: pip install triton (or use kernels='torch')")
-
-
-def _autocast_dtype(device: torch.device):
-    """The dtype torch.autocast runs attention in on ``device``, or None outside autocast."""
-    try:
-        return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
-    except (TypeError, AttributeError):  # pragma: no cover - torch < 2.4
-        return torch.get_autocast_gpu_dtype() if device.type == "cuda" and torch.is_autocast_enabled() else None
+    check_triton_device(q)
+    check_dropout_p(dropout_p)
 
 
 def _scale_and_seed(head_dim: int, softmax_scale, dropout_p: float, seed, device):
@@ -583,7 +535,7 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_sca
     repeatable. The mask is regenerated in backward, never stored.
     """
     _check_inputs(q, k, v, cu_seqlens, dropout_p)
-    cast = _autocast_dtype(q.device)
+    cast = autocast_dtype(q.device)
     if cast is not None and q.dtype == torch.float32:  # as F.scaled_dot_product_attention under autocast
         q, k, v = q.to(cast), k.to(cast), v.to(cast)
     scale, seed = _scale_and_seed(q.shape[-1], softmax_scale, dropout_p, seed, q.device)
@@ -598,7 +550,7 @@ def varlen_attention_qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softm
         raise ValueError(f"qkv must be (total_tokens, 3, heads, head_dim), got {tuple(qkv.shape)}")
     q, k, v = qkv.unbind(1)
     _check_inputs(q, k, v, cu_seqlens, dropout_p)
-    cast = _autocast_dtype(qkv.device)
+    cast = autocast_dtype(qkv.device)
     if cast is not None and qkv.dtype == torch.float32:
         qkv = qkv.to(cast)
     scale, seed = _scale_and_seed(qkv.shape[-1], softmax_scale, dropout_p, seed, qkv.device)
