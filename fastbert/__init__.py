@@ -1,8 +1,8 @@
 """fastbert: fast, correct BERT pretraining and fine-tuning.
 
 Two kernel paths, one model: ``kernels="torch"`` (plain PyTorch reference, any device) and
-``kernels="triton"`` (fused kernels). Public shapes follow HF transformers; inside the
-encoder tokens are unpadded to ``(total_tokens, hidden)``.
+``kernels="triton"`` (fused kernels; needs the optional triton package). Public shapes follow HF
+transformers; inside the encoder tokens are unpadded to ``(total_tokens, hidden)``.
 """
 __version__ = "0.1.0"
 

@@ -1,7 +1,9 @@
 """Fused ops, one file each (reference + Triton kernels), and the dispatch the model uses.
 
 ``get_ops("torch")`` returns the plain-PyTorch references; ``get_ops("triton")`` the fused kernels;
-``resolve_kernels`` is the one rule for ``"auto"`` / unset.
+``resolve_kernels`` is the one rule for ``"auto"`` / unset. Triton is optional: every op file and its
+reference import without it (``_common.py`` guards the one import), and ``get_ops("triton")`` without
+it raises an error that says to ``pip install triton`` or use ``kernels="torch"``.
 """
 from __future__ import annotations
 
@@ -14,11 +16,13 @@ KERNELS = ("torch", "triton")
 
 def resolve_kernels(spec: Optional[str], device=None) -> str:
     """``"torch"`` or ``"triton"`` for a kernels setting: ``None`` / ``"auto"`` mean the fused Triton
-    kernels on a CUDA device and the torch references elsewhere. ``device``: the device the model
-    runs on (a ``torch.device``, a string, or None for "CUDA when there is one")."""
+    kernels on a CUDA device (when Triton is installed) and the torch references elsewhere.
+    ``device``: the device the model runs on (a ``torch.device``, a string, or None for "CUDA when
+    there is one")."""
     if spec in (None, "auto"):
+        from fastbert.ops._common import HAS_TRITON
         cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
-        return "triton" if cuda else "torch"
+        return "triton" if cuda and HAS_TRITON else "torch"
     if spec not in KERNELS:
         raise ValueError(f"unknown kernels={spec!r}; use 'auto', 'torch' or 'triton'")
     return spec
@@ -43,6 +47,16 @@ def get_ops(kernels: str) -> Ops:
         return Ops(bert_embeddings_ref, dropout_add_layer_norm_ref, linear_bias_gelu_ref,
                    varlen_attention_ref, sparse_mlm_loss_ref, varlen_attention_qkvpacked_ref)
     if kernels == "triton":
-        from fastbert.ops.triton_ops import triton_ops
-        return triton_ops()
+        from fastbert.ops._common import require_triton
+        require_triton()  # the one error naming the fix, before any kernel is asked for
+        from fastbert.ops.attention import varlen_attention, varlen_attention_qkvpacked
+        from fastbert.ops.embeddings import bert_embeddings, bert_embeddings_ref
+        from fastbert.ops.ffn import linear_bias_gelu
+        from fastbert.ops.layer_norm import dropout_add_layer_norm
+        from fastbert.ops.mlm_loss import sparse_mlm_loss
+        # The fused embedding backward accumulates with atomics (not bitwise run to run): deterministic mode
+        # (torch.use_deterministic_algorithms) takes the reference, whose index_add is deterministic there.
+        embeddings = bert_embeddings_ref if torch.are_deterministic_algorithms_enabled() else bert_embeddings
+        return Ops(embeddings, dropout_add_layer_norm, linear_bias_gelu, varlen_attention, sparse_mlm_loss,
+                   varlen_attention_qkvpacked)
     raise ValueError(f"unknown kernels={kernels!r}; use 'torch' or 'triton'")
