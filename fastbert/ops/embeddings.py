@@ -33,6 +33,7 @@ def bert_embeddings_ref(input_ids, position_ids, token_type_ids, word_weight, po
 from fastbert.ops._common import (  # noqa: E402
     check_dropout_p, check_hidden, check_triton_device, drop_threshold, dropout_keep, num_sms, register_op,
     dropout_seed, row_block, tl, triton)
+from fastbert.ops.layer_norm import layer_norm_bwd_rows, layer_norm_stats  # noqa: E402
 
 # Token-type tables up to this many rows are reduced in registers; larger ones use atomics.
 _MAX_TYPES_IN_REGS = 8
@@ -62,9 +63,7 @@ def _emb_fwd_kernel(IDS_W, IDS_P, IDS_T, WORD, POS, TYPE, LN_W, LN_B, Y, MEAN, R
     mask = row_mask[:, None] & col_mask[None, :]
     s, _, _, _ = _gather_sum(IDS_W, IDS_P, IDS_T, WORD, POS, TYPE, rows, cols, row_mask, mask,
                              stride_word, stride_pos, stride_type)
-    mean = tl.sum(s, axis=1) / N
-    sc = tl.where(mask, s - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(sc * sc, axis=1) / N + eps)
+    sc, mean, rstd = layer_norm_stats(s, mask, N, eps)
     tl.store(MEAN + rows, mean, mask=row_mask)
     tl.store(RSTD + rows, rstd, mask=row_mask)
     w = tl.load(LN_W + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -97,16 +96,10 @@ def _emb_bwd_kernel(DY, IDS_W, IDS_P, IDS_T, WORD, POS, TYPE, LN_W, MEAN, RSTD,
         mask = row_mask[:, None] & col_mask[None, :]
         s, wid, pid, tid = _gather_sum(IDS_W, IDS_P, IDS_T, WORD, POS, TYPE, rows, cols, row_mask, mask,
                                        stride_word, stride_pos, stride_type)
-        mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
-        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-        xhat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
         dy = tl.load(DY + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_DROPOUT:
             dy = tl.where(dropout_keep(tl.load(SEED), rows, 0, N, threshold, BLOCK_N), dy * scale, 0.0)
-        wdy = dy * w[None, :]
-        c1 = tl.sum(xhat * wdy, axis=1) / N
-        c2 = tl.sum(wdy, axis=1) / N
-        ds = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        ds, xhat = layer_norm_bwd_rows(s, dy, w, MEAN, RSTD, rows, row_mask, mask, N)
         dw_acc += dy * xhat
         db_acc += dy
         word_mask = mask

@@ -63,6 +63,31 @@ def _prenorm_sum(X, RES, XB, rows64, cols, mask, col_mask, N, stride_x, stride_r
     return x, keep
 
 
+@triton.jit
+def layer_norm_stats(s, mask, N, eps):
+    """LayerNorm statistics of a (BLOCK_M, BLOCK_N) fp32 tile of rows: the centred rows (0 where
+    masked), mean and 1/std. The one copy of the forward row math (this file's and the embeddings')."""
+    mean = tl.sum(s, axis=1) / N
+    sc = tl.where(mask, s - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(sc * sc, axis=1) / N + eps)
+    return sc, mean, rstd
+
+
+@triton.jit
+def layer_norm_bwd_rows(s, dy, w, MEAN, RSTD, rows, row_mask, mask, N):
+    """LayerNorm backward of a tile of rows: from the fp32 pre-norm rows ``s`` (recomputed), the fp32
+    output gradient ``dy``, the weight ``w`` and the stored statistics, the gradient of ``s`` and
+    ``xhat`` (d(weight) sums ``dy * xhat``). The one copy of the backward row math (this file's and
+    the embeddings')."""
+    mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    xhat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
+    wdy = dy * w[None, :]
+    c1 = tl.sum(xhat * wdy, axis=1) / N
+    c2 = tl.sum(wdy, axis=1) / N
+    return (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None], xhat
+
+
 @triton.jit(do_not_specialize=["threshold"])
 def _ln_fwd_kernel(X, RES, XB, W, B, Y, S, MEAN, RSTD,
                    M, N, stride_x, stride_res, stride_y, stride_s, eps, threshold, scale, SEED,
@@ -79,10 +104,7 @@ def _ln_fwd_kernel(X, RES, XB, W, B, Y, S, MEAN, RSTD,
                         HAS_RES, HAS_XB, HAS_DROPOUT, BLOCK_N)
     if STORE_SUM:
         tl.store(S + rows64[:, None] * stride_s + cols[None, :], s.to(S.dtype.element_ty), mask=mask)
-    mean = tl.sum(s, axis=1) / N
-    sc = tl.where(mask, s - mean[:, None], 0.0)
-    var = tl.sum(sc * sc, axis=1) / N
-    rstd = 1.0 / tl.sqrt(var + eps)
+    sc, mean, rstd = layer_norm_stats(s, mask, N, eps)
     tl.store(MEAN + rows, mean, mask=row_mask)
     tl.store(RSTD + rows, rstd, mask=row_mask)
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -117,14 +139,8 @@ def _ln_bwd_kernel(DY, DS, X, RES, XB, W, MEAN, RSTD, DX, DRES, DW_PART, DB_PART
         rows64 = rows.to(tl.int64)
         s, keep = _prenorm_sum(X, RES, XB, rows64, cols, mask, col_mask, N, stride_x, stride_res, threshold, scale,
                                SEED, HAS_RES, HAS_XB, HAS_DROPOUT, BLOCK_N)
-        mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
-        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-        xhat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
         dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        wdy = dy * w[None, :]
-        c1 = tl.sum(xhat * wdy, axis=1) / N
-        c2 = tl.sum(wdy, axis=1) / N
-        ds = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        ds, xhat = layer_norm_bwd_rows(s, dy, w, MEAN, RSTD, rows, row_mask, mask, N)
         if HAS_DS:
             ds += tl.load(DS + rows64[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if STORE_DRES:
