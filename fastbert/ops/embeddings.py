@@ -31,8 +31,8 @@ def bert_embeddings_ref(input_ids, position_ids, token_type_ids, word_weight, po
 # per-type partial sums in registers instead.
 
 from fastbert.ops._common import (  # noqa: E402
-    check_dropout_p, check_hidden, check_triton_device, drop_threshold, dropout_keep, num_sms, register_op,
-    dropout_seed, row_block, tl, triton)
+    bwd_row_partition, check_dropout_p, check_hidden, check_triton_device, drop_threshold, dropout_keep,
+    dropout_seed, register_op, row_block, tl, triton)
 from fastbert.ops.layer_norm import layer_norm_bwd_rows, layer_norm_stats  # noqa: E402
 
 # Token-type tables up to this many rows are reduced in registers; larger ones use atomics.
@@ -153,11 +153,7 @@ def embeddings_bwd(dy, input_ids, position_ids, token_type_ids, word_weight, pos
     dword = torch.zeros(word_weight.shape, dtype=torch.float32, device=dev)
     dpos = torch.zeros(position_weight.shape, dtype=torch.float32, device=dev)
     dtype_full = torch.zeros(type_weight.shape if not types_in_regs else (0,), dtype=torch.float32, device=dev)
-    block_m, block_n, num_warps = row_block(n)
-    block_m = max(1, block_m // 2)  # the backward holds more live tiles per row
-    programs = max(1, min(triton.cdiv(m, block_m), num_sms(dev) * 2))
-    rows_per_program = triton.cdiv(triton.cdiv(max(m, 1), programs), block_m) * block_m
-    programs = max(1, triton.cdiv(m, rows_per_program))
+    block_m, block_n, num_warps, programs, rows_per_program = bwd_row_partition(m, n, dev)
     dtype_part = torch.zeros((programs, block_t, n), dtype=torch.float32, device=dev)
     dlnw_part = torch.zeros((programs, n), dtype=torch.float32, device=dev)
     dlnb_part = torch.zeros((programs, n), dtype=torch.float32, device=dev)

@@ -43,8 +43,8 @@ def dropout_add_layer_norm_ref(x, residual, weight, bias, eps, x_bias=None, drop
 # tensors (x, residual in; y out), the minimum.
 
 from fastbert.ops._common import (  # noqa: E402
-    check_dropout_p, check_hidden, check_triton_device, drop_threshold, dropout_keep, num_sms, register_op,
-    dropout_seed, row_block, tl, triton)
+    bwd_row_partition, check_dropout_p, check_hidden, check_triton_device, drop_threshold, dropout_keep,
+    dropout_seed, register_op, row_block, tl, triton)
 
 
 @triton.jit
@@ -203,11 +203,7 @@ def layer_norm_bwd(dy, ds, x, residual, weight, bias, x_bias, mean, rstd, dropou
     store_dres = residual is not None and (dropout_p > 0.0 or residual.dtype != x.dtype)
     dres = torch.empty((m, n) if store_dres else (0,), dtype=residual.dtype if residual is not None else x.dtype,
                        device=x.device)
-    block_m, block_n, num_warps = row_block(n)
-    block_m = max(1, block_m // 2)  # the backward holds more live tiles per row
-    programs = max(1, min(triton.cdiv(m, block_m), num_sms(x.device) * 2))
-    rows_per_program = triton.cdiv(triton.cdiv(max(m, 1), programs), block_m) * block_m
-    programs = max(1, triton.cdiv(m, rows_per_program))
+    block_m, block_n, num_warps, programs, rows_per_program = bwd_row_partition(m, n, x.device)
     dw_part = torch.empty((programs, n), dtype=torch.float32, device=x.device)
     db_part = torch.empty((programs, n), dtype=torch.float32, device=x.device)
     dxb_part = torch.empty((programs, n) if x_bias is not None else (0,), dtype=torch.float32, device=x.device)

@@ -71,7 +71,7 @@ def _static_ref(hidden, labels, positions, dense_weight, dense_bias, ln_weight, 
 # d(logits) = (softmax - onehot) * g / n (n x chunk, the only logits-sized buffer), then two cuBLAS
 # matmuls accumulate d(hidden) and write the chunk's rows of d(decoder_weight).
 
-from fastbert.ops._common import INTERPRET, autocast_dtype, check_triton_device, register_op, tl, triton  # noqa: E402
+from fastbert.ops._common import INTERPRET, check_triton_device, register_op, tl, triton  # noqa: E402
 from fastbert.ops.ffn import input_precision, linear_bias_gelu, mm_tile  # noqa: E402
 from fastbert.ops.layer_norm import dropout_add_layer_norm  # noqa: E402
 
