@@ -69,7 +69,6 @@ def layer(ops, x, w: LayerWeights, cu_seqlens, max_seqlen: int, rows: Rows | Non
           prenorm: bool = False, output_attentions: bool = False):
     """One encoder layer on ``x`` ``(rows, hidden)``: Post-LN (original BERT) or Pre-LN. Returns the new
     x and the attention maps (``attention_maps_or_packed``'s) when ``output_attentions``, else None."""
-
     nh = w.num_heads
     hd = w.qkv_weight.shape[0] // (3 * nh)  # spelled out: a batch may have no tokens at all
 
@@ -91,9 +90,9 @@ def layer(ops, x, w: LayerWeights, cu_seqlens, max_seqlen: int, rows: Rows | Non
             h = activation(F.linear(h, w.intermediate_weight, w.intermediate_bias))
         return F.linear(h, w.output_weight)
 
-    def add_norm(y, residual, norm, y_bias, p, prenorm=False):
+    def add_norm(y, residual, norm, y_bias, p, also_sum=False):  # also_sum: (normalized, residual sum)
         return ops.dropout_add_layer_norm(y, residual, norm.weight, norm.bias, norm.eps, x_bias=y_bias,
-                                          dropout_p=p, prenorm=prenorm)
+                                          dropout_p=p, prenorm=also_sum)
 
     if not prenorm:
         y, probs = attention(x)
@@ -102,7 +101,7 @@ def layer(ops, x, w: LayerWeights, cu_seqlens, max_seqlen: int, rows: Rows | Non
         return x, probs
     norm = w.attention_norm
     y, probs = attention(ops.dropout_add_layer_norm(x, None, norm.weight, norm.bias, norm.eps))
-    h, x = add_norm(y, x, w.output_norm, w.attention_out_bias, dropout.attention_output, prenorm=True)
-    y = ffn(h) + w.output_bias
+    h, x = add_norm(y, x, w.output_norm, w.attention_out_bias, dropout.attention_output, also_sum=True)
+    y = ffn(h) + w.output_bias  # Pre-LN: the FFN's output joins the residual stream un-normalized
     p = dropout.output
     return x + (F.dropout(y, p, training=True) if p > 0 else y), probs
