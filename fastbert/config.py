@@ -10,7 +10,6 @@ from typing import Any
 
 from fastbert.errors import ConfigError
 
-ACTIVATIONS = ("gelu", "gelu_tanh")
 KERNELS = ("torch", "triton")
 
 # Published BERT shapes (Devlin et al. 2019; the compact models of Turc et al. 2019).
@@ -24,8 +23,11 @@ PRESETS = {
     "large": (24, 1024),
 }
 
-# HF names for the activation strings we accept.
-_HF_ACT_IN = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+# Activations, the one map of their names: fastbert's name -> torch's GELU ``approximate`` (what
+# the fused bias + GELU op takes); HF's config.json names -> fastbert's on load, and back on save.
+GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
+ACTIVATIONS = tuple(GELU_APPROXIMATE)
+HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 _HF_ACT_OUT = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
 
 
@@ -117,10 +119,10 @@ class BertConfig:
         known = {f.name for f in fields(cls)} - {"extra", "sparse_prediction"}
         if "hidden_act" in d:
             act = d["hidden_act"]
-            if act not in _HF_ACT_IN:
+            if act not in HF_ACTIVATIONS:
                 raise ConfigError(f"hidden_act={act!r} in config is not supported; fastbert supports "
-                                  f"{sorted(_HF_ACT_IN)}")
-            d["hidden_act"] = _HF_ACT_IN[act]
+                                  f"{sorted(HF_ACTIVATIONS)}")
+            d["hidden_act"] = HF_ACTIVATIONS[act]
         if "fastbert_prenorm" in d:
             d["prenorm"] = d.pop("fastbert_prenorm")
         if d.get("id2label"):
@@ -188,3 +190,11 @@ class BertConfig:
     def save_pretrained(self, directory: str | os.PathLike) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)
         self.to_json_file(Path(directory) / "config.json")
+
+
+def gelu_approximate(hidden_act) -> str | None:
+    """torch's GELU ``approximate`` for an activation name, fastbert's or HF's (``"none"`` /
+    ``"tanh"``), or None for any other activation (a name or a function)."""
+    if not isinstance(hidden_act, str):
+        return None
+    return GELU_APPROXIMATE.get(HF_ACTIVATIONS.get(hidden_act, ""))

@@ -1,5 +1,8 @@
 """BERT encoder: embeddings, fused-QKV attention, FFN, Post-LN / Pre-LN layers, unpadded encoder, pooler.
 
+The modules hold the parameters (HF's names, one fused QKV); the computation of the embeddings and
+of a layer is ``fastbert.encoder_fn``'s, the same functions that ``fastbert.patch`` runs HF's weights through.
+
 The public API takes ``(batch, seq)`` ids and an ``attention_mask`` like HF's (any 0/1 mask). The
 encoder unpads once on entry and every layer works on ``(total_tokens, hidden)`` with int32
 ``cu_seqlens``, plus the masked positions a result reads as HF computes them (``fastbert.padding_rows``);
@@ -12,15 +15,13 @@ from collections import OrderedDict
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from fastbert.config import BertConfig
+from fastbert import encoder_fn
+from fastbert.config import BertConfig, gelu_approximate
+from fastbert.encoder_fn import EmbeddingWeights, LayerDropout, LayerNormWeights, LayerWeights
 from fastbert.ops import get_ops
 from fastbert.padding import pad, unpad_mask
-from fastbert.padding_rows import (Rows, attention_maps_or_packed, padding_need_counts, pooled_position, select_rows,
-                                   with_padding_rows)
-
-_GELU_APPROX = {"gelu": "none", "gelu_tanh": "tanh"}
+from fastbert.padding_rows import Rows, padding_need_counts, pooled_position, select_rows
 
 
 class ModelOutput(OrderedDict):
@@ -62,12 +63,13 @@ class BertEmbeddings(nn.Module):
 
     def forward(self, ops, input_ids, position_ids, token_type_ids):
         """All inputs ``(tokens,)``; returns ``(tokens, hidden)``."""
-        p = self.config.hidden_dropout_prob if self.training else 0.0
-        return ops.embeddings(
-            input_ids, position_ids, token_type_ids, self.word_embeddings.weight,
-            self.position_embeddings.weight, self.token_type_embeddings.weight,
-            self.LayerNorm.weight, self.LayerNorm.bias, self.config.layer_norm_eps,
-            dropout_p=p, padding_idx=self.word_embeddings.padding_idx)
+        ln = self.LayerNorm
+        w = EmbeddingWeights(self.word_embeddings.weight, self.position_embeddings.weight,
+                             self.token_type_embeddings.weight,
+                             LayerNormWeights(ln.weight, ln.bias, self.config.layer_norm_eps),
+                             self.word_embeddings.padding_idx)
+        return encoder_fn.embed(ops, w, input_ids, position_ids, token_type_ids,
+                                dropout_p=self.config.hidden_dropout_prob if self.training else 0.0)
 
 
 class BertSelfAttention(nn.Module):
@@ -75,21 +77,7 @@ class BertSelfAttention(nn.Module):
 
     def __init__(self, config: BertConfig):
         super().__init__()
-        self.config = config
         self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-
-    def forward(self, ops, x, cu_seqlens, max_seqlen, output_attentions=False, rows: Rows | None = None):
-        """``x``: ``(T, hidden)``, the real tokens then ``rows``' padding rows (if any)."""
-        cfg = self.config
-        T = x.shape[0]
-        qkv = self.qkv(x).view(T, 3, cfg.num_attention_heads, cfg.head_dim)  # (T, 3, nh, hd)
-        p = cfg.attention_probs_dropout_prob if self.training else 0.0
-        scale = cfg.head_dim ** -0.5
-        ctx = with_padding_rows(
-            lambda t: ops.attention_qkvpacked(t, cu_seqlens, max_seqlen, dropout_p=p, softmax_scale=scale),
-            qkv, rows, scale, p)  # (T, nh, hd)
-        probs = attention_maps_or_packed(qkv, rows, cu_seqlens, max_seqlen, scale) if output_attentions else None
-        return ctx.reshape(T, cfg.hidden_size), probs
 
 
 class BertAttention(nn.Module):
@@ -102,7 +90,8 @@ class BertAttention(nn.Module):
 
 
 class BertLayer(nn.Module):
-    """Post-LN (original BERT) or Pre-LN (academic-budget recipe), chosen by ``config.prenorm``.
+    """Post-LN (original BERT) or Pre-LN (academic-budget recipe), chosen by ``config.prenorm``; the
+    computation is ``fastbert.encoder_fn.layer``.
 
     Parameter names follow HF's. In Pre-LN, ``attention.output.LayerNorm`` normalizes the block
     input before attention and ``output.LayerNorm`` the residual stream before the FFN.
@@ -118,33 +107,22 @@ class BertLayer(nn.Module):
         self.output.dense = nn.Linear(config.intermediate_size, config.hidden_size)
         self.output.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
-    def _ffn(self, ops, h):
-        up = self.intermediate.dense
-        h = ops.linear_bias_gelu(h, up.weight, up.bias, approximate=_GELU_APPROX[self.config.hidden_act])
-        return F.linear(h, self.output.dense.weight)  # bias added inside the fused residual LayerNorm
+    def weights(self) -> LayerWeights:
+        cfg = self.config
+        qkv, attn_out, ln_attn = self.attention.self.qkv, self.attention.output.dense, self.attention.output.LayerNorm
+        up, down, ln_out = self.intermediate.dense, self.output.dense, self.output.LayerNorm
+        return LayerWeights(cfg.num_attention_heads, qkv.weight, qkv.bias, attn_out.weight, attn_out.bias,
+                            LayerNormWeights(ln_attn.weight, ln_attn.bias, cfg.layer_norm_eps),
+                            up.weight, up.bias, down.weight, down.bias,
+                            LayerNormWeights(ln_out.weight, ln_out.bias, cfg.layer_norm_eps))
 
     def forward(self, ops, x, cu_seqlens, max_seqlen, output_attentions=False, rows: Rows | None = None):
+        """``x``: ``(T, hidden)``, the real tokens then ``rows``' padding rows (if any)."""
         cfg = self.config
-        eps = cfg.layer_norm_eps
-        p = cfg.hidden_dropout_prob if self.training else 0.0
-        attn_out, ln_attn = self.attention.output.dense, self.attention.output.LayerNorm
-        ln_ffn = self.output.LayerNorm
-
-        def add_norm(y, residual, ln, y_bias, prenorm=False):
-            return ops.dropout_add_layer_norm(y, residual, ln.weight, ln.bias, eps, x_bias=y_bias, dropout_p=p,
-                                              prenorm=prenorm)
-
-        if not cfg.prenorm:
-            ctx, probs = self.attention.self(ops, x, cu_seqlens, max_seqlen, output_attentions, rows)
-            x = add_norm(F.linear(ctx, attn_out.weight), x, ln_attn, attn_out.bias)
-            x = add_norm(self._ffn(ops, x), x, ln_ffn, self.output.dense.bias)
-            return x, probs
-        h = ops.dropout_add_layer_norm(x, None, ln_attn.weight, ln_attn.bias, eps)
-        ctx, probs = self.attention.self(ops, h, cu_seqlens, max_seqlen, output_attentions, rows)
-        h, x = add_norm(F.linear(ctx, attn_out.weight), x, ln_ffn, attn_out.bias, prenorm=True)
-        y = self._ffn(ops, h) + self.output.dense.bias
-        x = x + (F.dropout(y, p, training=True) if p > 0 else y)
-        return x, probs
+        p_attn, p = (cfg.attention_probs_dropout_prob, cfg.hidden_dropout_prob) if self.training else (0.0, 0.0)
+        return encoder_fn.layer(ops, x, self.weights(), cu_seqlens, max_seqlen, rows, activation=gelu_approx(cfg),
+                                softmax_scale=cfg.head_dim ** -0.5, dropout=LayerDropout(p_attn, p, p),
+                                prenorm=cfg.prenorm, output_attentions=output_attentions)
 
 
 class BertEncoder(nn.Module):
@@ -391,4 +369,4 @@ def mean_pool(last_hidden_state: torch.Tensor, attention_mask: torch.Tensor) -> 
 
 
 def gelu_approx(config: BertConfig) -> str:
-    return _GELU_APPROX[config.hidden_act]
+    return gelu_approximate(config.hidden_act)

@@ -5,9 +5,11 @@ with an unpadded one that runs on fastbert's fused ops, reading HF's own paramet
 same ``state_dict`` keys, the optimizer and checkpoints untouched. The task heads (MLM / NSP /
 classification / QA ...) stay HF's and call the patched ``BertModel`` as before.
 
-Inside: unpad once at entry (``fastbert.padding``), embeddings + LayerNorm, then per layer one
-QKV GEMM (HF's query / key / value weights concatenated at call time), varlen attention, output
-projection, fused bias + dropout + residual + LayerNorm, fused bias + GELU FFN; pad back on exit.
+Inside: unpad once at entry (``fastbert.padding``), then HF's parameters go through the encoder
+functions that fastbert's own ``BertModel`` runs (``fastbert.encoder_fn``: embeddings + LayerNorm,
+then per layer one QKV GEMM (HF's query / key / value weights concatenated at call time), varlen
+attention, output projection, fused bias + dropout + residual + LayerNorm, fused bias + GELU FFN);
+pad back on exit. This module only adapts HF's modules, arguments and outputs to those functions.
 
 Any 0/1 mask gives HF's results: positions where the mask is 0 are computed as HF computes them
 when something reads them (``fastbert.padding_rows``): position 0 for the pooler, and, through a
@@ -33,14 +35,15 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from fastbert import encoder_fn
+from fastbert.config import gelu_approximate
+from fastbert.encoder_fn import EmbeddingWeights, LayerDropout, LayerNormWeights, LayerWeights
 from fastbert.ops import get_ops, resolve_kernels
 from fastbert.padding import pad, unpad
-from fastbert.padding_rows import (Rows, attention_maps_or_packed, label_positions, pooled_position, union, unpad_rows,
-                                   with_padding_rows)
+from fastbert.padding_rows import Rows, label_positions, pooled_position, union, unpad_rows
 
 _STATE = "_fastbert_patch"  # attribute on the patched BertModel: kernels and what unpatch restores
 _HEAD_STATE = "_fastbert_patch_head"  # attribute on a patched BertFor* head: what unpatch restores
-_GELU = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh"}
 _KERNELS = (None, "torch", "triton")
 
 
@@ -226,8 +229,13 @@ def _p(dropout: torch.nn.Module) -> float:
     return dropout.p if dropout.training else 0.0
 
 
+def _norm(ln: torch.nn.LayerNorm) -> LayerNormWeights:
+    return LayerNormWeights(ln.weight, ln.bias, ln.eps)
+
+
 def _embed(emb, ops, rows: Rows, input_ids, token_type_ids, position_ids, inputs_embeds):
-    """``(rows, hidden)`` embeddings of the real tokens, then of the padding rows."""
+    """``(rows, hidden)`` embeddings of the real tokens, then of the padding rows, from HF's
+    ``(batch, seq)`` arguments."""
     info = rows.placed
     if inputs_embeds is not None:  # user-supplied vectors: HF's module on the padded batch, then unpad
         out = emb(input_ids=None, token_type_ids=token_type_ids, position_ids=position_ids,
@@ -241,53 +249,37 @@ def _embed(emb, ops, rows: Rows, input_ids, token_type_ids, position_ids, inputs
     if token_type_ids is None:
         token_type_ids = torch.zeros_like(input_ids)
     flat = lambda t: t.reshape(-1).index_select(0, info.indices)  # noqa: E731  (B, S) -> (tokens,)
-    p = _p(emb.dropout)
-    return ops.embeddings(
-        flat(input_ids), flat(position_ids), flat(token_type_ids), emb.word_embeddings.weight,
-        emb.position_embeddings.weight, emb.token_type_embeddings.weight, emb.LayerNorm.weight,
-        emb.LayerNorm.bias, emb.LayerNorm.eps, dropout_p=p, padding_idx=emb.word_embeddings.padding_idx)
+    w = EmbeddingWeights(emb.word_embeddings.weight, emb.position_embeddings.weight, emb.token_type_embeddings.weight,
+                         _norm(emb.LayerNorm), emb.word_embeddings.padding_idx)
+    return encoder_fn.embed(ops, w, flat(input_ids), flat(position_ids), flat(token_type_ids),
+                            dropout_p=_p(emb.dropout))
 
 
 def _cat_or_none(*tensors):
     return None if any(t is None for t in tensors) else torch.cat(tensors)
 
 
+def _layer_weights(layer) -> LayerWeights:
+    """An HF ``BertLayer``'s parameters in fastbert's roles. The QKV weight is concatenated per call
+    (one GEMM for Q, K and V) so that HF's parameters stay the leaves the optimizer sees."""
+    sa, so, inter, out = layer.attention.self, layer.attention.output, layer.intermediate, layer.output
+    return LayerWeights(sa.num_attention_heads, torch.cat((sa.query.weight, sa.key.weight, sa.value.weight)),
+                        _cat_or_none(sa.query.bias, sa.key.bias, sa.value.bias), so.dense.weight, so.dense.bias,
+                        _norm(so.LayerNorm), inter.dense.weight, inter.dense.bias, out.dense.weight, out.dense.bias,
+                        _norm(out.LayerNorm))
+
+
 def _layer(layer, ops, x, rows: Rows, hidden_act, output_attentions):
-    """One HF ``BertLayer`` (Post-LN) on ``(rows, hidden)`` (real tokens, then padding rows); returns the
-    new x and the ``(batch, nh, seq, seq)`` maps or None."""
-    sa, so = layer.attention.self, layer.attention.output
-    tokens = x.shape[0]
-    nh, hd = sa.num_attention_heads, sa.attention_head_size
-    # One GEMM for Q, K and V; the concatenated weight is rebuilt per call so HF's parameters stay
-    # the leaves the optimizer sees.
-    w_qkv = torch.cat((sa.query.weight, sa.key.weight, sa.value.weight))  # (3 * nh * hd, hidden)
-    b_qkv = _cat_or_none(sa.query.bias, sa.key.bias, sa.value.bias)
-    qkv = F.linear(x, w_qkv, b_qkv).view(tokens, 3, nh, hd)                # (T, 3, nh, hd)
-    p_attn = _p(sa.dropout)
-    scale = getattr(sa, "scaling", None) or 1.0 / math.sqrt(hd)
-    real = rows.real
-
-    def real_attention(t):                                                 # (T_real, 3, nh, hd)
-        q, k, v = t.unbind(dim=1)                                          # (T_real, nh, hd) each, views
-        return ops.attention(q, k, v, real.cu_seqlens, real.max_seqlen, dropout_p=p_attn, softmax_scale=scale)
-    ctx = with_padding_rows(real_attention, qkv, rows, scale, p_attn)     # (T, nh, hd)
-    probs = attention_maps_or_packed(qkv, rows, real.cu_seqlens, real.max_seqlen, scale) if output_attentions else None
-    h = F.linear(ctx.reshape(tokens, nh * hd), so.dense.weight)            # bias goes into the LN op
-    p = _p(so.dropout)
-    x = ops.dropout_add_layer_norm(h, x, so.LayerNorm.weight, so.LayerNorm.bias, so.LayerNorm.eps,
-                                   x_bias=so.dense.bias, dropout_p=p)
-
-    inter, out = layer.intermediate, layer.output
-    approx = _GELU.get(hidden_act) if isinstance(hidden_act, str) else None
-    if approx is not None and inter.dense.bias is not None:
-        h = ops.linear_bias_gelu(x, inter.dense.weight, inter.dense.bias, approximate=approx)
-    else:  # any other activation: HF's own function after a plain GEMM
-        h = inter.intermediate_act_fn(F.linear(x, inter.dense.weight, inter.dense.bias))
-    h = F.linear(h, out.dense.weight)
-    p = _p(out.dropout)
-    x = ops.dropout_add_layer_norm(h, x, out.LayerNorm.weight, out.LayerNorm.bias, out.LayerNorm.eps,
-                                   x_bias=out.dense.bias, dropout_p=p)
-    return x, probs
+    """One HF ``BertLayer`` (Post-LN) through ``fastbert.encoder_fn.layer`` on ``(rows, hidden)`` (real
+    tokens, then padding rows); returns the new x and the ``(batch, nh, seq, seq)`` maps or None."""
+    sa, inter = layer.attention.self, layer.intermediate
+    approx = gelu_approximate(hidden_act)
+    fused = approx is not None and inter.dense.bias is not None  # else HF's own function after a plain GEMM
+    scale = getattr(sa, "scaling", None) or 1.0 / math.sqrt(sa.attention_head_size)
+    dropout = LayerDropout(_p(sa.dropout), _p(layer.attention.output.dropout), _p(layer.output.dropout))
+    return encoder_fn.layer(ops, x, _layer_weights(layer), rows.real.cu_seqlens, rows.real.max_seqlen, rows,
+                            activation=approx if fused else inter.intermediate_act_fn, softmax_scale=scale,
+                            dropout=dropout, output_attentions=output_attentions)
 
 
 def _run_layer(layer, ops, x, rows: Rows, hidden_act, output_attentions):

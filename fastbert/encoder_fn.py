@@ -1,0 +1,107 @@
+"""BERT's embeddings and encoder layer as functions of explicit weights, on unpadded rows.
+
+``embed`` and ``layer`` own no parameters: they take the weights (``EmbeddingWeights``,
+``LayerWeights``), the ops (``fastbert.ops.get_ops``), the rows and the dropout probabilities.
+``fastbert.model``'s modules call them with their own parameters and ``fastbert.patch`` with an HF
+``BertModel``'s, so fastbert has one encoder whoever holds the weights.
+
+Rows are ``(rows, hidden)``: the real tokens (``cu_seqlens``, ``max_seqlen``), then any padding rows
+``fastbert.padding_rows`` adds for masked positions a result reads.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Union
+
+import torch
+import torch.nn.functional as F
+
+from fastbert.padding_rows import Rows, attention_maps_or_packed, with_padding_rows
+
+
+class LayerNormWeights(NamedTuple):
+    weight: torch.Tensor
+    bias: torch.Tensor
+    eps: float
+
+
+class EmbeddingWeights(NamedTuple):
+    word: torch.Tensor        # (vocab, hidden)
+    position: torch.Tensor    # (max_positions, hidden)
+    token_type: torch.Tensor  # (type_vocab, hidden)
+    norm: LayerNormWeights
+    padding_idx: int | None   # the word row that gets no gradient
+
+
+class LayerWeights(NamedTuple):
+    """One layer's parameters in HF's roles; ``qkv_weight`` is ``cat(query, key, value)``."""
+    num_heads: int
+    qkv_weight: torch.Tensor             # (3 * hidden, hidden)
+    qkv_bias: torch.Tensor | None        # (3 * hidden,)
+    attention_out_weight: torch.Tensor   # (hidden, hidden)
+    attention_out_bias: torch.Tensor
+    attention_norm: LayerNormWeights     # Pre-LN: normalizes the layer's input
+    intermediate_weight: torch.Tensor    # (intermediate, hidden)
+    intermediate_bias: torch.Tensor | None
+    output_weight: torch.Tensor          # (hidden, intermediate)
+    output_bias: torch.Tensor
+    output_norm: LayerNormWeights        # Pre-LN: normalizes the residual stream before the FFN
+
+
+class LayerDropout(NamedTuple):
+    """Dropout probabilities of a layer's three sites (0 in eval)."""
+    attention: float = 0.0         # on the attention probabilities
+    attention_output: float = 0.0  # on the attention block's output, before its residual add
+    output: float = 0.0            # on the FFN's output, before its residual add
+
+
+# torch's GELU ``approximate`` ("none" / "tanh") for the fused bias + GELU, or any activation function.
+Activation = Union[str, Callable[[torch.Tensor], torch.Tensor]]
+
+
+def embed(ops, w: EmbeddingWeights, input_ids, position_ids, token_type_ids, dropout_p: float = 0.0):
+    """Word + position + token-type embeddings, LayerNorm, dropout: ``(tokens,)`` ids -> ``(tokens, hidden)``."""
+    return ops.embeddings(input_ids, position_ids, token_type_ids, w.word, w.position, w.token_type,
+                          w.norm.weight, w.norm.bias, w.norm.eps, dropout_p=dropout_p, padding_idx=w.padding_idx)
+
+
+def layer(ops, x, w: LayerWeights, cu_seqlens, max_seqlen: int, rows: Rows | None = None, *,
+          activation: Activation, softmax_scale: float, dropout: LayerDropout = LayerDropout(),
+          prenorm: bool = False, output_attentions: bool = False):
+    """One encoder layer on ``x`` ``(rows, hidden)``: Post-LN (original BERT) or Pre-LN. Returns the new
+    x and the attention maps (``attention_maps_or_packed``'s) when ``output_attentions``, else None."""
+    nh = w.num_heads
+    hd = w.qkv_weight.shape[0] // (3 * nh)  # spelled out: a batch may have no tokens at all
+
+    def attention(h):
+        tokens = h.shape[0]
+        qkv = F.linear(h, w.qkv_weight, w.qkv_bias).view(tokens, 3, nh, hd)  # (T, 3, nh, hd)
+        p = dropout.attention
+        ctx = with_padding_rows(
+            lambda t: ops.attention_qkvpacked(t, cu_seqlens, max_seqlen, dropout_p=p, softmax_scale=softmax_scale),
+            qkv, rows, softmax_scale, p)  # (T, nh, hd)
+        probs = (attention_maps_or_packed(qkv, rows, cu_seqlens, max_seqlen, softmax_scale)
+                 if output_attentions else None)
+        return F.linear(ctx.reshape(tokens, nh * hd), w.attention_out_weight), probs  # bias: in the add + norm
+
+    def ffn(h):  # the output bias is left to the caller
+        if isinstance(activation, str):
+            h = ops.linear_bias_gelu(h, w.intermediate_weight, w.intermediate_bias, approximate=activation)
+        else:
+            h = activation(F.linear(h, w.intermediate_weight, w.intermediate_bias))
+        return F.linear(h, w.output_weight)
+
+    def add_norm(y, residual, norm, y_bias, p, also_sum=False):  # also_sum: (normalized, residual sum)
+        return ops.dropout_add_layer_norm(y, residual, norm.weight, norm.bias, norm.eps, x_bias=y_bias,
+                                          dropout_p=p, prenorm=also_sum)
+
+    if not prenorm:
+        y, probs = attention(x)
+        x = add_norm(y, x, w.attention_norm, w.attention_out_bias, dropout.attention_output)
+        x = add_norm(ffn(x), x, w.output_norm, w.output_bias, dropout.output)
+        return x, probs
+    norm = w.attention_norm
+    y, probs = attention(ops.dropout_add_layer_norm(x, None, norm.weight, norm.bias, norm.eps))
+    h, x = add_norm(y, x, w.output_norm, w.attention_out_bias, dropout.attention_output, also_sum=True)
+    y = ffn(h) + w.output_bias  # Pre-LN: the FFN's output joins the residual stream un-normalized
+    p = dropout.output
+    return x + (F.dropout(y, p, training=True) if p > 0 else y), probs
