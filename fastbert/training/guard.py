@@ -6,14 +6,14 @@ Per optimizer step, in the training loop::
     guard.add_micro_loss(loss)            # after each micro-batch's forward (device add, no sync)
     guard.check_loss(engine)              # before the LAST micro-batch's engine.step(): one all-reduce
     engine.step()                         # the guarded inner optimizer skips the update if told to
-    verdict = guard.end_step(engine, data_step)
+    for verdict in guard.end_step(engine, step, data_step, settle=...):   # bad steps, maybe a step late
+        ...
 
 What is checked, with the same answer on every rank:
 
 * the loss, averaged over micro-batches and ranks (one all-reduce): non-finite, or a spike;
 * the global gradient norm before clipping, as DeepSpeed's ZeRO / bf16 / fp16 optimizers computed it
-  (already reduced over ranks), or over the all-reduced ``.grad`` tensors (ZeRO-0 fp32): non-finite,
-  or a spike.
+  (already reduced over ranks), or over the all-reduced ``.grad`` tensors (ZeRO-0): non-finite, or a spike.
 
 A spike is a value above BOTH ``factor`` x the running median of the last ``window`` steps AND the
 median plus ``noise_sigmas`` robust standard deviations (1.4826 x the median absolute deviation) of
@@ -26,19 +26,27 @@ what such a step can do, and skipping leaves the model where the large gradients
 likely spike again (probably the skip / rollback cascades seen with a factor of 10); divergence shows in
 the loss, and non-finite values are always caught.
 
-A bad step is skipped by making the innermost torch optimizer's ``step`` a no-op for that step
-(``install``): no parameter, moment or step-count update on any rank; DeepSpeed still clears the
-gradients and counts the step, so the data position and the schedule move on. Steps DeepSpeed skips itself (fp16 overflow, or a non-finite
-norm its ZeRO optimizer caught) are reported too; fp16 overflows are part of dynamic loss scaling
-and never count towards a rollback. After ``rollback_after`` consecutive bad steps the verdict asks
-for a rollback to the last good checkpoint (the loop then also moves past the offending data).
+The verdict is computed on the device (the histories live there as NaN-padded windows) and reaches the
+optimizer without a device-to-host read: when the innermost torch optimizer takes ``found_inf`` (torch's
+fused Adam/AdamW, the default on CUDA), it is handed the verdict as ``found_inf``, and the fused kernel
+leaves parameters, moments and the step count untouched on a bad step. Other optimizers (CPU foreach
+AdamW, LAMB) and DeepSpeed's ZeRO / fp16 wrappers (which read their norm on the host anyway) read the
+verdict in their ``step`` and return without updating. Either way DeepSpeed still clears the gradients
+and counts the step, so the data position and the schedule move on.
+
+The host learns each verdict one step late (``end_step`` copies it to pinned memory and reads the previous
+step's, which the GPU has finished by then), or at once with ``settle=True``: the loop settles at log,
+evaluation and checkpoint steps, and ``flush`` before it stops, so a checkpoint is only called good when
+every step before it is known. Steps DeepSpeed skips itself (fp16 overflow, or a non-finite norm its ZeRO
+optimizer caught) are reported too; fp16 overflows are part of dynamic loss scaling and never count
+towards a rollback. After ``rollback_after`` consecutive bad steps the verdict asks for a rollback to the
+last good checkpoint (the loop then also moves past the offending data); a step taken after the last bad
+one, before its verdict was read, is rolled back with it.
 """
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
-from statistics import median
 from typing import Optional
 
 import torch
@@ -86,8 +94,35 @@ class Verdict:
         return out
 
 
+REASONS = (None, "nonfinite_loss", "loss_spike", "nonfinite_grad_norm", "grad_norm_spike")  # device codes
+
+
 def _finite(x: Optional[float]) -> bool:
     return x is not None and math.isfinite(x)
+
+
+def _median(window: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """statistics.median of the first ``n`` values of ``window`` sorted with NaN last (NaN when n == 0)."""
+    s = torch.sort(window).values
+    last = window.numel() - 1
+    middle = torch.stack([(n - 1) // 2, n // 2]).clamp(0, last)     # gather, not s[t]: that reads t back
+    return s.gather(0, middle).mean()
+
+
+@dataclass
+class _Pending:
+    """One step's verdict on its way to the host: the device values copied to pinned memory, and what the
+    host already knew."""
+    step: int
+    data_step: int
+    values: torch.Tensor          # [code, loss, loss median, grad norm, grad norm median] (float64)
+    done: Optional[torch.cuda.Event]
+    has_loss: bool
+    has_norm: bool
+    hook_decided: bool
+    applied: bool
+    fp16: bool
+    loss_scale: Optional[float]
 
 
 class SpikeGuard:
@@ -114,39 +149,55 @@ class SpikeGuard:
             raise ValueError("guard: warmup_steps and noise_sigmas must be >= 0")
         if self.rollback_after < 1 or self.max_rollbacks < 0:
             raise ValueError("guard: rollback_after must be >= 1 and max_rollbacks >= 0")
-        self.rank, self.device = rank, device
-        self.losses: deque = deque(maxlen=self.window)
-        self.norms: deque = deque(maxlen=self.window)
+        self.rank, self.device = rank, torch.device(device)
+        # The last `window` finite losses (row 0) and gradient norms (row 1), oldest first, NaN-padded.
+        self._history = torch.full((2, self.window), math.nan, dtype=torch.float64, device=self.device)
         self.consecutive_bad = 0
         self.rollbacks = 0
         self.skipped_total = 0
         self.steps_seen = 0         # optimizer steps checked (spike checks wait for warmup_steps)
+        self.last_ok: Optional[torch.Tensor] = None   # 1.0 / 0.0 on the device: was the last step applied
+        self._pending: Optional[_Pending] = None
         self._reset_step()
 
     # ------------------------------------------------------------------------------ state
+    def _series(self, row: int) -> list[float]:
+        return [x for x in self._history[row].tolist() if not math.isnan(x)]
+
+    @property
+    def losses(self) -> list[float]:
+        return self._series(0)
+
+    @property
+    def norms(self) -> list[float]:
+        return self._series(1)
+
     def state_dict(self) -> dict:
-        return {"losses": list(self.losses), "norms": list(self.norms), "rollbacks": self.rollbacks,
+        return {"losses": self.losses, "norms": self.norms, "rollbacks": self.rollbacks,
                 "skipped_total": self.skipped_total, "steps_seen": self.steps_seen}
 
     def load_state_dict(self, state: dict) -> None:
-        self.losses.extend(state.get("losses", []))
-        self.norms.extend(state.get("norms", []))
+        for row, key in enumerate(("losses", "norms")):
+            values = (self._series(row) + [float(x) for x in state.get(key, [])])[-self.window:]
+            self._history[row].fill_(math.nan)
+            if values:
+                self._history[row, self.window - len(values):] = torch.tensor(values, dtype=torch.float64)
         self.rollbacks = int(state.get("rollbacks", 0))
         self.skipped_total = int(state.get("skipped_total", 0))
-        self.steps_seen = int(state.get("steps_seen", len(self.losses)))
+        self.steps_seen = int(state.get("steps_seen", len(state.get("losses", []))))
 
     @property
     def healthy(self) -> bool:
-        """No bad step since the last good one (checkpoints written now are 'good')."""
+        """No bad step since the last good one, as far as the host knows (settle first: checkpoints written
+        now are 'good')."""
         return self.consecutive_bad == 0
 
     def _reset_step(self) -> None:
         self._loss_sum: Optional[torch.Tensor] = None
         self._micro = 0
-        self._skip_reason: Optional[str] = None
-        self._loss: Optional[float] = None
-        self._norm: Optional[float] = None
-        self._norm_from_hook = False
+        self._loss_t: Optional[torch.Tensor] = None      # this step's loss, on the device
+        self._norm_t: Optional[torch.Tensor] = None      # this step's gradient norm, on the device
+        self._code: Optional[torch.Tensor] = None        # this step's verdict (index into REASONS)
         self._hook_decided = False
 
     # ------------------------------------------------------------------------------ injection
@@ -170,89 +221,140 @@ class SpikeGuard:
 
     def check_loss(self, engine) -> None:
         """Collective (all ranks, before the boundary ``engine.step()``): agree on this step's loss and,
-        on ZeRO-0 fp32, compute the gradient norm from the reduced ``.grad`` tensors."""
+        on ZeRO-0, compute the gradient norm from the reduced ``.grad`` tensors; the verdict stays on the
+        device."""
         if not self.enabled:
             return
         import torch.distributed as dist
         total = self._loss_sum if self._loss_sum is not None else torch.zeros((), dtype=torch.float64)
         t = torch.stack([total.to(self.device, torch.float64).reshape(()),
-                         torch.tensor(float(self._micro), dtype=torch.float64, device=self.device)])
+                         torch.full((), float(self._micro), dtype=torch.float64, device=self.device)])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(t)
-        norm = None
+        self._loss_t = t[0] / t[1].clamp(min=1.0)
         if _wrapper_of(engine.ds.optimizer) is None:       # ZeRO-0: no DeepSpeed norm to read
-            # The reduced gradients are final here: the engine clips now (one fused norm) and the norm
-            # comes back in the same transfer as the loss (one device sync per step).
+            # The reduced gradients are final here: the engine clips now (one fused norm).
             norm = engine.clip_gradients() if getattr(engine, "clipping", 0) else _grad_norm_tensor(engine.module)
-        if norm is not None:
-            t = torch.cat([t, norm.to(t.device, torch.float64).reshape(1)])
-        values = t.tolist()
-        loss_sum, micros = values[:2]
-        if norm is not None:
-            self._norm = values[2]
-        self._loss = loss_sum / max(1.0, micros)
-        if not math.isfinite(self._loss):
-            self._skip_reason = "nonfinite_loss"
-        elif self._spike(self._loss, self.losses, self.loss_factor):
-            self._skip_reason = "loss_spike"
+            self._norm_t = None if norm is None else norm.detach().to(torch.float64).reshape(())
+        self._code = self._verdict()
 
-    def _spike(self, value: float, history: deque, factor: float) -> bool:
-        return value > self.threshold(history, factor)
+    def _check(self, value: torch.Tensor, row: int, factor: float, nonfinite: int) -> torch.Tensor:
+        """0, ``nonfinite`` or ``nonfinite + 1`` (spike) for one value against its history row."""
+        spike = self.threshold(row, factor) if factor and self.steps_seen >= self.warmup_steps else None
+        bad = torch.where(value > spike, nonfinite + 1, 0) if spike is not None else torch.zeros_like(value)
+        return torch.where(torch.isfinite(value), bad, nonfinite).to(torch.int64)
 
-    def threshold(self, history, factor: float) -> float:
-        """The spike threshold of a series: above factor x median and median + noise_sigmas x robust std
-        (inf while the checks wait for history or warm-up, or when ``factor`` is off)."""
-        if not factor or len(history) < self.min_history or self.steps_seen < self.warmup_steps:
-            return math.inf
-        mid = median(history)
-        robust_std = 1.4826 * median(abs(x - mid) for x in history)
-        return max(factor * mid, mid + self.noise_sigmas * robust_std)
+    def _verdict(self) -> torch.Tensor:
+        code = self._check(self._loss_t, 0, self.loss_factor, 1)
+        if self._norm_t is not None:
+            code = torch.where(code > 0, code, self._check(self._norm_t, 1, self.grad_norm_factor, 3))
+        return code
 
-    def decide_in_optimizer(self, wrapper) -> bool:
-        """Called by the guarded inner optimizer (once or per param group): True = skip the update."""
+    def threshold(self, row: int, factor: float) -> torch.Tensor:
+        """The spike threshold of history ``row`` (0 loss, 1 grad norm), on the device: above factor x
+        median and median + noise_sigmas x robust std; inf while the window holds fewer than
+        ``min_history`` values."""
+        window = self._history[row]
+        n = (~torch.isnan(window)).sum()
+        mid = _median(window, n)
+        robust_std = 1.4826 * _median((window - mid).abs(), n)
+        limit = torch.maximum(factor * mid, mid + self.noise_sigmas * robust_std)
+        return torch.where(n >= self.min_history, limit, math.inf)
+
+    def decide_in_optimizer(self, wrapper, inner: Optional[torch.optim.Optimizer] = None) -> bool:
+        """Called by the guarded inner optimizer (once or per param group): True = skip the update now.
+        When ``inner`` takes ``found_inf`` the verdict goes to it on the device instead (returns False)."""
         if not self.enabled:
             return False
         if not self._hook_decided:
             self._hook_decided = True
-            if wrapper is not None:
-                norm = getattr(wrapper, "_global_grad_norm", None)
-                if norm is not None:
-                    self._norm = float(norm.item() if torch.is_tensor(norm) else norm)
-                    self._norm_from_hook = True
-            if self._skip_reason is None and self._norm is not None:
-                if not math.isfinite(self._norm):
-                    self._skip_reason = "nonfinite_grad_norm"
-                elif self._spike(self._norm, self.norms, self.grad_norm_factor):
-                    self._skip_reason = "grad_norm_spike"
-        return self._skip_reason is not None
+            norm = getattr(wrapper, "_global_grad_norm", None) if wrapper is not None else None
+            if norm is not None:
+                self._norm_t = torch.as_tensor(norm, dtype=torch.float64).to(self.device).reshape(())
+                if self._code is not None:
+                    self._code = self._verdict()
+        if self._code is None:
+            return False
+        if inner is not None and getattr(inner, "_step_supports_amp_scaling", False):
+            inner.found_inf = (self._code > 0).float()
+            return False
+        return bool(self._code > 0)
 
-    def end_step(self, engine, step: int, data_step: int) -> Optional[Verdict]:
-        """After the boundary ``engine.step()``: the verdict for a bad step (None for a good one)."""
+    def end_step(self, engine, step: int, data_step: int, settle: bool = True) -> list:
+        """After the boundary ``engine.step()``: the verdicts of bad steps the host can now see, oldest
+        first. This step's verdict is read now with ``settle``, else at the next call (one step late, no
+        wait on the device). A rollback verdict drops the steps after it."""
         if not self.enabled:
-            return None
-        v = Verdict(step=step, data_step=data_step, loss=self._loss, grad_norm=self._norm)
-        if self.losses:
-            v.loss_median = median(self.losses)
-        if self.norms:
-            v.grad_norm_median = median(self.norms)
-        if self._skip_reason is not None and not self._hook_decided:
+            return []
+        applied = engine.step_was_applied()
+        code = self._code if self._code is not None else torch.zeros((), dtype=torch.int64, device=self.device)
+        nan = torch.full((), math.nan, dtype=torch.float64, device=self.device)
+        loss = self._loss_t if self._loss_t is not None else nan
+        norm = self._norm_t if self._norm_t is not None else nan
+        n = (~torch.isnan(self._history)).sum(1)
+        medians = [_median(self._history[row], n[row]) for row in (0, 1)]
+        values = torch.stack([code.double(), loss, medians[0], norm, medians[1]])
+        ok = (code == 0).double() if applied else torch.zeros((), dtype=torch.float64, device=self.device)
+        self.last_ok = ok
+        # Histories take every finite value (the median shrugs off single spikes and follows a
+        # genuine level shift after window/2 steps instead of skipping forever).
+        for row, v in ((0, loss), (1, norm)):
+            self._history[row] = torch.where(torch.isfinite(v), torch.cat([self._history[row, 1:], v.reshape(1)]),
+                                             self._history[row])
+        if self.device.type == "cuda":
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host, done = values, None
+        record = _Pending(step, data_step, host, done, self._loss_t is not None, self._norm_t is not None,
+                          self._hook_decided, applied, engine.precision == "fp16",
+                          engine.loss_scale if not applied else None)
+        self._reset_step()
+        self.steps_seen += 1
+        ready = [self._pending] if self._pending is not None else []
+        self._pending = record
+        if settle:
+            ready.append(record)
+            self._pending = None
+        return self._resolve(ready)
+
+    def flush(self) -> list:
+        """Read the verdict still on its way (before stopping, or anything that needs the host's view)."""
+        ready = [self._pending] if self._pending is not None else []
+        self._pending = None
+        return self._resolve(ready)
+
+    def _resolve(self, records: list) -> list:
+        out = []
+        for rec in records:
+            verdict = self._judge(rec)
+            if verdict is not None:
+                out.append(verdict)
+                if verdict.rollback:
+                    self._pending = None       # rolled back with it
+                    break
+        return out
+
+    def _judge(self, rec: _Pending) -> Optional[Verdict]:
+        if rec.done is not None:
+            rec.done.synchronize()
+        code, loss, loss_median, norm, norm_median = rec.values.tolist()
+        known = lambda x: None if math.isnan(x) else x  # noqa: E731  (a median of no history)
+        v = Verdict(step=rec.step, data_step=rec.data_step, loss=loss if rec.has_loss else None,
+                    loss_median=known(loss_median), grad_norm=norm if rec.has_norm else None,
+                    grad_norm_median=known(norm_median))
+        reason = REASONS[int(code)]
+        if reason is not None and not rec.hook_decided:
             # The check said skip but the inner optimizer was never reached: DeepSpeed skipped the
             # step itself (overflow), which is just as good.
             v.extra["skipped_by"] = "deepspeed"
-        if self._skip_reason is None and not engine.step_was_applied():
-            self._skip_reason = "fp16_overflow" if engine.precision == "fp16" else "nonfinite_grad_norm"
+        if reason is None and not rec.applied:
+            reason = "fp16_overflow" if rec.fp16 else "nonfinite_grad_norm"
             v.extra["skipped_by"] = "deepspeed"
-            if engine.loss_scale is not None:
-                v.extra["loss_scale"] = engine.loss_scale
-        # Histories take every finite value (the median shrugs off single spikes and follows a
-        # genuine level shift after window/2 steps instead of skipping forever).
-        if _finite(self._loss):
-            self.losses.append(self._loss)
-        if _finite(self._norm):
-            self.norms.append(self._norm)
-        reason = self._skip_reason
-        self._reset_step()
-        self.steps_seen += 1
+            if rec.loss_scale is not None:
+                v.extra["loss_scale"] = rec.loss_scale
         if reason is None:
             self.consecutive_bad = 0
             return None
@@ -265,16 +367,17 @@ class SpikeGuard:
             if self.consecutive_bad >= self.rollback_after:
                 if self.rollbacks >= self.max_rollbacks:
                     raise GuardError(
-                        f"training keeps diverging: {self.consecutive_bad} bad steps in a row at step {step} "
+                        f"training keeps diverging: {self.consecutive_bad} bad steps in a row at step {rec.step} "
                         f"(last: {reason}, loss {self._fmt(v.loss)}, grad norm {self._fmt(v.grad_norm)}) after "
                         f"{self.rollbacks} rollback(s); lower the learning rate, check the data near stream "
-                        f"position {data_step}, or raise guard.max_rollbacks / guard.loss_factor")
+                        f"position {rec.data_step}, or raise guard.max_rollbacks / guard.loss_factor")
                 v.rollback = True
         return v
 
     def rolled_back(self) -> None:
         self.rollbacks += 1
         self.consecutive_bad = 0
+        self._pending = None
 
     @staticmethod
     def _fmt(x) -> str:
@@ -328,8 +431,11 @@ def install(engine, guard: SpikeGuard) -> None:
     original = inner.step
 
     def guarded_step(*args, **kwargs):
-        if guard.decide_in_optimizer(wrapper):
+        if guard.decide_in_optimizer(wrapper, inner):
             return None
-        return original(*args, **kwargs)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            inner.__dict__.pop("found_inf", None)
 
     inner.step = guarded_step

@@ -35,7 +35,8 @@ from fastbert.training.guard import SpikeGuard, Verdict, install as install_guar
 from fastbert.training.interrupt import StopRequest
 from fastbert.training.logging import MetricsLogger, peak_tflops
 from fastbert.training.manifest import build_manifest, write_manifest
-from fastbert.training.pretrain_metrics import Accumulator, eta, evaluate, schedule_info, static_inputs, train_metrics
+from fastbert.training.pretrain_metrics import (Accumulator, eta, evaluate, host_counts, schedule_info, static_inputs,
+                                               train_metrics)
 from fastbert.training.resume import choose_resume, model_signature, reseed, universal_if_needed
 from fastbert.training.schedules import (StepSchedule, TimeBudgetSchedule, make_clock, parse_duration,
                                          torch_all_reduce_max)
@@ -172,6 +173,7 @@ class _Run:
         self.data_skip = 0
         self.last_eval: Optional[dict] = None
         self.train_metrics: dict = {}
+        self.train_s = 0.0          # seconds in training steps (evaluation and checkpoints left out)
 
     # -- manifest ---------------------------------------------------------------------------------
     def manifest(self, step: int, final: bool = False) -> dict:
@@ -391,6 +393,19 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict
     has_nsp_head = getattr(model, "has_nsp", False)
     stop, stopped = StopRequest(log.print, c_cfg["interrupt_timeout_s"]).install(), False
     batches = iter(loader)
+
+    def guard_events(verdicts: list) -> bool:
+        """Log the guard's verdicts; True when one rolled back (the data then restarts past it)."""
+        nonlocal batches, last_ckpt_step
+        for verdict in verdicts:
+            log.log("guard", verdict.step + 1, **verdict.record())
+            log.print(guard.describe(verdict))
+            if verdict.rollback and r.rollback(verdict):
+                loader.step = engine.global_steps + r.data_skip
+                batches = iter(loader)
+                last_ckpt_step = engine.global_steps
+                return True
+        return False
     try:
         while True:
             data_step, micro, batch = next(batches)
@@ -401,15 +416,16 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict
                     schedule_started = True
                 if isinstance(schedule, TimeBudgetSchedule):
                     step_lr = schedule.tick(step)
-                    if schedule.done(step) or (max_steps is not None and step >= max_steps):
-                        break
+                    finished = schedule.done(step) or (max_steps is not None and step >= max_steps)
                 else:
-                    if schedule.done(step):
-                        break
-                    step_lr = schedule.lr(step)
+                    finished = schedule.done(step)
+                    step_lr = None if finished else schedule.lr(step)
+                if finished:
+                    if guard_events(guard.flush()):          # the last step's verdict, read before stopping
+                        continue
+                    break
                 engine.set_lr(step_lr)
-            tokens = int(batch["attention_mask"].sum())      # CPU tensors: no device sync
-            sequences = int((batch["cu_seqlens"].diff().view(-1, per_row + 1)[:, :per_row] > 0).sum())
+            tokens, sequences = host_counts(batch, per_row)
             kw = static_inputs(batch, collator, dist.device)
             if not has_nsp_head:
                 kw["packed"].pop("next_sentence_label", None)
@@ -424,19 +440,14 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict
             engine.step()
             if not last_micro:
                 continue
-            verdict = guard.end_step(engine, step, data_step)
-            if verdict is None:
-                acc.merge(step_acc)
-            else:
-                step_acc.reset()
-                log.log("guard", step + 1, **verdict.record())
-                log.print(guard.describe(verdict))
-                if verdict.rollback and r.rollback(verdict):
-                    loader.step = engine.global_steps + r.data_skip
-                    batches = iter(loader)
-                    last_ckpt_step = engine.global_steps
-                    continue
             done_steps = step + 1
+            # The guard's verdicts reach the host a step late, except where the host needs them now.
+            settle = (done_steps % log_every == 0 or _every(e_cfg["every_steps"], done_steps)
+                      or _every(c_cfg["every_steps"], done_steps) or stop.requested)
+            verdicts = guard.end_step(engine, step, data_step, settle=settle)
+            acc.merge(step_acc, guard.last_ok)             # a skipped step's metrics weigh 0 (on the device)
+            if guard_events(verdicts):
+                continue
             window_steps += 1
             # ---- logging (+ agreement on time-based triggers, in the same collective)
             if done_steps % log_every == 0:
@@ -445,7 +456,9 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict
                          float(want_ckpt_at is not None and now >= want_ckpt_at), float(stop.requested)]
                 sums, flags = acc.reduce(flags)
                 dt = time.perf_counter() - window_t0
+                r.train_s += dt
                 r.train_metrics = train_metrics(sums, engine, step_lr, window_steps, dt, mc, avg_len, peak)
+                r.train_metrics["train_s"] = r.train_s     # training seconds so far (no eval, no checkpoints)
                 if guard.enabled:      # every skipped step, DeepSpeed's own overflow skips included
                     r.train_metrics["skipped_steps"] = guard.skipped_total
                 log.progress(done_steps, max_steps, r.train_metrics, eta(schedule, max_steps, done_steps,
@@ -462,6 +475,7 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict
                 log.log("eval", done_steps, **r.last_eval)
                 log.print(f"[eval] step {done_steps} | " + " | ".join(f"{k} {v:.4f}" for k, v in r.last_eval.items()))
                 want_eval_at = _next_deadline(e_cfg["every_minutes"])
+                window_t0 = time.perf_counter()
             # ---- checkpoint
             if ckpt_due_time or _every(c_cfg["every_steps"], done_steps):
                 r.save(done_steps)
@@ -478,6 +492,8 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict
     finally:
         loader.close()
         stop.remove()
+    if window_steps:
+        r.train_s += time.perf_counter() - window_t0
     final_step = engine.global_steps
     if stopped:
         return _stopped(r, stop, final_step)
@@ -498,7 +514,8 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict
         log.print(f"[fastbert] HF checkpoint: {hf_dir}")
     summary = {"steps": final_step, "skipped_steps": engine.skipped_steps, "guard_skipped": guard.skipped_total,
                "rollbacks": guard.rollbacks, "eval": r.last_eval, "train": r.train_metrics,
-               "hf_dir": str(hf_dir) if hf_dir else None, "elapsed_s": getattr(schedule, "elapsed", None)}
+               "hf_dir": str(hf_dir) if hf_dir else None, "elapsed_s": getattr(schedule, "elapsed", None),
+               "train_s": r.train_s}
     log.log("done", final_step, **{k: v for k, v in summary.items() if k != "train"})
     if dist.is_main:
         write_manifest(out_dir / "manifest.json", r.manifest(final_step, final=True))

@@ -2,6 +2,9 @@
 batches, and the train metrics (loss, accuracy, throughput, MFU, ETA) the loop logs."""
 from __future__ import annotations
 
+from typing import Optional
+
+import numpy as np
 import torch
 
 from fastbert.training.engine import TrainEngine, all_reduce_sum, to_device
@@ -13,16 +16,19 @@ class Accumulator:
     """Device-side sums over a logging window (no host sync until ``reduce``)."""
 
     KEYS = ("loss", "micro", "mlm_correct", "mlm_count", "nsp_correct", "nsp_count", "tokens", "sequences")
+    HOST = (1, 6, 7)            # micro, tokens, sequences: counted on the host, moved once per merge
 
     def __init__(self, device):
-        self.device = device
+        self.device = torch.device(device)
+        self._host_index = torch.tensor(self.HOST, device=self.device)
         self.reset()
 
     def reset(self):
         self.t = torch.zeros(len(self.KEYS), dtype=torch.float64, device=self.device)
+        self.host = [0.0] * len(self.HOST)
 
     def add(self, out, next_sentence_label, tokens: int, sequences: int):
-        """Add one micro-batch: the model's device scalars, and the host counts in one small copy."""
+        """Add one micro-batch: the model's device scalars; the host counts stay on the host."""
         zero = out.loss.detach().new_zeros((), dtype=torch.float64)
         dev = lambda v: zero if v is None else v.detach().double()  # noqa: E731
         nsp, nsp_count = getattr(out, "nsp_correct", None), getattr(out, "nsp_count", None)
@@ -30,14 +36,17 @@ class Accumulator:
             nsp = nsp_count = None
         elif nsp_count is None:
             nsp_count = zero + float(next_sentence_label.numel())
-        on_device = torch.stack([dev(out.loss), dev(getattr(out, "mlm_correct", None)),
-                                 dev(getattr(out, "mlm_count", None)), dev(nsp), dev(nsp_count)])
-        on_host = torch.tensor([1.0, float(tokens), float(sequences)], dtype=torch.float64)
-        self.t += torch.cat([on_device[:1], on_host[:1].to(self.device, non_blocking=True), on_device[1:],
-                             on_host[1:].to(self.device, non_blocking=True)])
+        self.t += torch.stack([dev(out.loss), zero, dev(getattr(out, "mlm_correct", None)),
+                               dev(getattr(out, "mlm_count", None)), dev(nsp), dev(nsp_count), zero, zero])
+        for i, v in enumerate((1.0, float(tokens), float(sequences))):
+            self.host[i] += v
 
-    def merge(self, other: "Accumulator") -> None:
-        self.t += other.t
+    def merge(self, other: "Accumulator", weight: Optional[torch.Tensor] = None) -> None:
+        """Add ``other``'s sums (times a device 0/1 ``weight``: the guard's verdict, not read here)."""
+        host = torch.tensor(other.host, dtype=torch.float64, pin_memory=self.device.type == "cuda")
+        t = other.t.index_add(0, self._host_index,
+                              host.to(self.device, non_blocking=True))
+        self.t += t if weight is None else t * weight
         other.reset()
 
     def reduce(self, extra: list[float]) -> tuple[dict, list[float]]:
@@ -49,6 +58,14 @@ class Accumulator:
         vals = t.tolist()
         self.reset()
         return dict(zip(self.KEYS, vals[:len(self.KEYS)])), vals[len(self.KEYS):]
+
+
+def host_counts(batch: dict, per_row: int) -> tuple[int, int]:
+    """Real tokens and sequences of a loader batch, counted on its host tensors (``numpy()`` refuses a
+    device tensor: this never waits on the GPU)."""
+    cu = batch["cu_seqlens"].numpy()
+    return int(batch["attention_mask"].numpy().sum()), \
+        int((np.diff(cu, axis=-1).reshape(-1, per_row + 1)[:, :per_row] > 0).sum())
 
 
 def static_inputs(batch: dict, collator, device) -> dict:

@@ -31,10 +31,10 @@ def record(data: Path, seed: int, steps: int, tick: float, out_dir: Path) -> dic
     trace = {"loss": [], "grad_norm": []}
     original = guard_mod.SpikeGuard.end_step
 
-    def end_step(self, engine, step, data_step):
-        trace["loss"].append(self._loss)
-        trace["grad_norm"].append(self._norm)
-        return original(self, engine, step, data_step)
+    def end_step(self, engine, step, data_step, settle=True):
+        trace["loss"].append(float(self._loss_t))
+        trace["grad_norm"].append(None if self._norm_t is None else float(self._norm_t))
+        return original(self, engine, step, data_step, settle)
 
     guard_mod.SpikeGuard.end_step = end_step
     try:

@@ -44,9 +44,9 @@ class FakeZero:
         self.optimizer.step()
 
 
-def guarded(cfg=None):
+def guarded(cfg=None, fused=False):
     model = torch.nn.Linear(3, 2)
-    inner = torch.optim.AdamW(model.parameters(), lr=0.1)
+    inner = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)   # fused: the verdict goes in as found_inf
     zero = FakeZero(inner)
     guard = SpikeGuard(dict({"min_history": 3, "window": 10, "warmup_steps": 0, "grad_norm_factor": 10.0},
                             **(cfg or {})))
@@ -55,7 +55,12 @@ def guarded(cfg=None):
     return guard, engine, zero, model
 
 
-def one_step(guard, engine, zero, model, loss, norm, step):
+def only(verdicts):
+    assert len(verdicts) <= 1
+    return verdicts[0] if verdicts else None
+
+
+def one_step(guard, engine, zero, model, loss, norm, step, settle=True):
     model.weight.grad = torch.ones_like(model.weight)
     model.bias.grad = torch.ones_like(model.bias)
     guard.add_micro_loss(torch.tensor(loss))
@@ -63,7 +68,8 @@ def one_step(guard, engine, zero, model, loss, norm, step):
     before = [p.detach().clone() for p in model.parameters()]
     zero.step(norm)
     changed = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    return guard.end_step(engine, step, step), changed
+    verdicts = guard.end_step(engine, step, step, settle=settle)
+    return (only(verdicts) if settle else verdicts), changed
 
 
 def test_healthy_steps_update_and_build_history():
@@ -75,6 +81,7 @@ def test_healthy_steps_update_and_build_history():
     assert zero.optimizer.state[model.weight]["step"] == 5
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("loss,norm,reason", [
     (float("nan"), 1.0, "nonfinite_loss"),
     (float("inf"), 1.0, "nonfinite_loss"),
@@ -82,8 +89,8 @@ def test_healthy_steps_update_and_build_history():
     (5.0, float("nan"), "nonfinite_grad_norm"),
     (5.0, 50.0, "grad_norm_spike"),          # > 10 x median 1
 ])
-def test_bad_step_is_skipped_without_any_update(loss, norm, reason):
-    guard, engine, zero, model = guarded()
+def test_bad_step_is_skipped_without_any_update(loss, norm, reason, fused):
+    guard, engine, zero, model = guarded(fused=fused)
     for s in range(3):
         one_step(guard, engine, zero, model, 5.0, 1.0, s)
     adam_step = zero.optimizer.state[model.weight]["step"].clone()
@@ -119,6 +126,44 @@ def test_repeated_failures_ask_for_rollback_then_give_up():
         one_step(guard, engine, zero, model, float("nan"), 1.0, 6)
 
 
+def test_verdicts_reach_the_host_a_step_late_and_a_rollback_drops_the_steps_after_it():
+    """settle=False: the optimizer skips a bad step at once (on the device), the host reads its verdict
+    at the next step; flush reads the last one; a rollback verdict takes the step after it along."""
+    guard, engine, zero, model = guarded({"rollback_after": 2}, fused=True)
+    for s in range(3):
+        assert one_step(guard, engine, zero, model, 5.0, 1.0, s, settle=False)[0] == []
+    assert guard.flush() == [] and guard.healthy
+    verdicts, changed = one_step(guard, engine, zero, model, float("nan"), 1.0, 3, settle=False)
+    assert verdicts == [] and not changed and guard.healthy            # skipped; the host does not know yet
+    verdicts, changed = one_step(guard, engine, zero, model, 5.0, 1.0, 4, settle=False)
+    assert [v.step for v in verdicts] == [3] and changed and not guard.healthy
+    verdicts, changed = one_step(guard, engine, zero, model, 5.0, 1.0, 5, settle=False)
+    assert verdicts == [] and guard.flush() == [] and guard.healthy
+    assert one_step(guard, engine, zero, model, float("nan"), 1.0, 6, settle=False)[0] == []
+    verdicts, _ = one_step(guard, engine, zero, model, float("nan"), 1.0, 7, settle=False)
+    assert [(v.step, v.rollback) for v in verdicts] == [(6, False)]
+    verdicts, changed = one_step(guard, engine, zero, model, 5.0, 1.0, 8, settle=False)
+    assert [(v.step, v.rollback) for v in verdicts] == [(7, True)] and changed
+    guard.rolled_back()                               # the loop reloads the last good checkpoint ...
+    assert guard.flush() == [] and guard.healthy       # ... and step 8, taken before the verdict, goes with it
+    assert guard.skipped_total == 3
+
+
+def test_device_thresholds_are_the_host_statistics():
+    """The spike threshold computed on the device equals statistics.median / MAD over the window."""
+    from statistics import median
+    guard = SpikeGuard({"window": 7, "min_history": 2, "warmup_steps": 0})
+    values = [5.0, 4.0, 7.5, 6.25, 3.0, 9.0, 4.5, 8.0, 5.5]
+    guard.load_state_dict({"losses": values, "norms": values[:4]})
+    for row, hist in ((0, values[-7:]), (1, values[:4])):
+        mid = median(hist)
+        mad = median(abs(x - mid) for x in hist)
+        expect = max(3.0 * mid, mid + guard.noise_sigmas * 1.4826 * mad)
+        assert float(guard.threshold(row, 3.0)) == pytest.approx(expect, rel=1e-12)
+    assert guard.losses == values[-7:] and guard.norms == values[:4]
+    assert float(SpikeGuard({"min_history": 3}).threshold(0, 3.0)) == math.inf
+
+
 def test_deepspeed_overflow_skip_is_reported_but_fp16_does_not_count():
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -126,7 +171,7 @@ def test_deepspeed_overflow_skip_is_reported_but_fp16_does_not_count():
     engine = FakeEngine(model, FakeZero(opt), applied=False, precision="fp16")
     guard.add_micro_loss(torch.tensor(3.0))
     guard.check_loss(engine)
-    v = guard.end_step(engine, 0, 0)
+    v = only(guard.end_step(engine, 0, 0))
     assert v.reason == "fp16_overflow" and not v.counts_as_failure and guard.healthy
 
 
@@ -140,7 +185,7 @@ def test_zero0_norm_comes_from_the_reduced_grads():
     guard.add_micro_loss(torch.tensor(1.0))
     guard.check_loss(engine)
     opt.step()
-    assert guard.end_step(engine, 0, 0) is None and list(guard.norms) == [5.0]
+    assert guard.end_step(engine, 0, 0) == [] and list(guard.norms) == [5.0]
 
 
 def test_injection_faults_rank0_only():
@@ -266,3 +311,41 @@ def test_two_ranks_skip_in_agreement(data_dir, tmp_path):
         steps = {float(s["step"]) for s in states["optimizer_state_dict"]["base_optimizer_state"]["state"].values()}
         assert steps == {6.0}, (rank, steps)
     assert marker(out / "checkpoints", "step_00000008")["finite"]
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_step_reads_nothing_back_and_a_bad_step_is_skipped_on_the_device():
+    """CUDA, torch's fused AdamW (the default there): check, step and a late verdict run with
+    torch.cuda.set_sync_debug_mode("error"); a NaN step leaves weights and Adam state untouched."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = torch.nn.Linear(3, 2).cuda()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    guard = SpikeGuard({"min_history": 3, "window": 10, "warmup_steps": 0}, device="cuda")
+    engine = FakeEngine(model, inner)
+    install(engine, guard)
+
+    def step(loss, s):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        before = [p.detach().clone() for p in model.parameters()]
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            guard.add_micro_loss(torch.full((), loss, device="cuda"))
+            guard.check_loss(engine)
+            inner.step()
+            verdicts = guard.end_step(engine, s, s, settle=False)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        changed = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        return verdicts, changed
+
+    for s in range(4):
+        verdicts, changed = step(5.0, s)
+        assert verdicts == [] and changed
+    adam_step = inner.state[model.weight]["step"].clone()
+    verdicts, changed = step(float("nan"), 4)
+    assert verdicts == [] and not changed and torch.equal(inner.state[model.weight]["step"], adam_step)
+    verdicts, changed = step(5.0, 5)
+    assert [v.reason for v in verdicts] == ["nonfinite_loss"] and changed
+    assert guard.flush() == [] and guard.losses == [5.0] * 5

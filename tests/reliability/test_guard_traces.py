@@ -38,8 +38,7 @@ def replay(trace: dict, cfg: dict | None = None, faults: dict | None = None) -> 
         guard.check_loss(engine)
         wrapper._global_grad_norm = norm * norm_factor
         guard.decide_in_optimizer(wrapper)
-        verdict = guard.end_step(engine, step, step)
-        if verdict is not None:
+        for verdict in guard.end_step(engine, step, step):
             events.append(verdict)
             if verdict.rollback:
                 guard.rolled_back()

@@ -1,0 +1,86 @@
+"""`fastbert pretrain`'s step reads nothing back from the device between log steps (issue 14, item 2).
+
+The loop runs in a child process (a world of one, ZeRO-0 with fastbert's fused clipping, gradient
+accumulation 2, Triton kernels in the interpreter, the spike guard on) with Tensor.item / tolist /
+__bool__ / __int__ / __float__ / nonzero instrumented. The optimizer is torch's fused AdamW, the one
+``fastbert pretrain`` uses on CUDA (on the CPU it uses the foreach AdamW, which reads its step counters
+and makes the guard read its verdict: there is no device to wait for). Reads are allowed only at log
+steps (the window's metrics, the guard's verdicts) and of host tensors by design: the loader's batches
+(token and sequence counts), and the guard's verdict of the step before, which on CUDA is a pinned host
+copy read after that step's event (the GPU has finished it; the step just launched keeps it busy);
+tests/reliability/test_guard.py checks that path under torch.cuda.set_sync_debug_mode("error")."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from pretrain_harness import REPO, cpu_env, prepare_slice, write_config  # noqa: E402
+
+CHILD = r"""
+import json, sys
+import torch
+import fastbert.training.engine as engine_mod
+from fastbert.training.config import load_config
+from fastbert.training.pretrain import run_pretraining
+
+def fused_adamw(spec, groups, device_type, offload=False):     # what CUDA runs, here on the CPU
+    return torch.optim.AdamW(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps,
+                             weight_decay=spec.weight_decay, fused=True)
+engine_mod.build_client_optimizer = fused_adamw
+
+steps, reads, started = [0], [], [False]
+step = engine_mod.TrainEngine.step
+def counted(self):
+    started[0] = True
+    boundary = step(self)
+    steps[0] += boundary
+    return boundary
+engine_mod.TrainEngine.step = counted
+
+HOST = ("pretrain_dataset.py", "static_batch.py")           # the loader's numpy / CPU tensors
+for name in ("item", "tolist", "__bool__", "__int__", "__float__", "nonzero"):
+    def read(self, *a, _orig=getattr(torch.Tensor, name), _name=name, **k):
+        caller = sys._getframe(1)
+        where = f"{caller.f_code.co_filename}:{caller.f_lineno}"
+        late = caller.f_code.co_name == "_judge"      # the guard reading the previous step's verdict
+        if started[0] and not where.split(":")[0].endswith(HOST) and "/torch/optim/" not in where and not late:
+            reads.append([steps[0], f"{_name} at {where} ({caller.f_code.co_name})"])
+        return _orig(self, *a, **k)
+    setattr(torch.Tensor, name, read)
+summary = run_pretraining(load_config(sys.argv[1]))
+print("RESULT " + json.dumps({"steps": steps[0], "reads": reads, "summary_steps": summary["steps"]}))
+"""
+
+
+def test_pretrain_steps_read_nothing_back_between_logs(tmp_path, data_dir):
+    data = prepare_slice(data_dir, tmp_path / "data", num_files=1, seq_len=32)
+    cfg = {
+        "output_dir": str(tmp_path / "out"),
+        "model": {"preset": "tiny", "kernels": "triton",
+                  "overrides": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                "intermediate_size": 64}},
+        "data": {"dir": str(data), "auto_prepare": False},
+        "train": {"micro_batch_size": 4, "global_batch_size": 8, "max_steps": 8, "precision": "fp32",
+                  "zero_stage": 0, "optimizer": {"type": "adamw", "lr": 1e-3}},
+        "eval": {"every_steps": None, "at_end": False},
+        "checkpoint": {"every_steps": None, "every_minutes": None, "at_end": False},
+        "log": {"every_steps": 4, "tensorboard": False},
+        "export": {"hf": False},
+    }
+    config = write_config(tmp_path / "config.json", cfg)
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(config)], cwd=REPO, env=cpu_env(),
+                          capture_output=True, text=True, timeout=850)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["steps"] == 8 and result["summary_steps"] == 8
+    # Reads happen after the step that completes a log window (4, 8), before the next step starts.
+    inside = [r for r in result["reads"] if r[0] not in (4, 8)]
+    assert not inside, inside[:5]
+    assert any(r[0] == 4 for r in result["reads"])        # the instrumentation sees the log step's reads
