@@ -3,6 +3,9 @@
     python3 benchmarks/real_paths.py --parts pretrain --data DIR --out OUT
     python3 benchmarks/real_paths.py --parts finetune --glue GLUE_DIR --vocab VOCAB_DIR --out OUT
     python3 benchmarks/real_paths.py --parts pretrain --variants default --gpus 1,2,4 --data DIR --out OUT  # 4 GPUs
+    python3 benchmarks/real_paths.py --parts pretrain --variants "" --gpus 1,2 --gpu-variants default,z1-pack,z2-pack \
+        --data DIR --out OUT                                               # ZeRO-0/1/2 on 2 GPUs
+    python3 benchmarks/real_paths.py --parts ttq --data DIR --out OUT
 
 ``pretrain``: BERT-base, seq 128, micro batch 128, bf16, real prepared Wikipedia data (DIR from
 ``fastbert prepare --nsp --seq-len 128``): HF ``BertForPreTraining`` (SDPA) in a bare loop (bf16
@@ -15,6 +18,10 @@ row when fastbert packs), so every line measures the same data consumed per seco
 ``DataCollatorWithPadding``) from the same random-init BERT-base checkpoint (HF layout, the
 bert-base-uncased vocabulary), the same examples (``--ft-train`` of SST-2's train set, 0 = all), one
 epoch, batch 32, lr 2e-5: training seconds and dev accuracy.
+
+``ttq``: time to quality, the small preset (L=4, H=512) for ``--ttq-steps`` steps of 256 sequences:
+HF's bare loop beside the ``fastbert pretrain`` command (``benchmarks/time_to_quality.py``, ways hf and
+fb-pretrain), both final models evaluated on the same held-out batches and masks.
 
 Writes ``OUT/real_paths_<card>.json`` (every figure, with the card) and prints the table last.
 """
@@ -93,11 +100,14 @@ def part_pretrain(args, res: dict) -> None:
         save(args, res)
     counts = [int(n) for n in args.gpus.split(",")] if args.gpus else []
     for n in counts:          # weak scaling: the same micro batch per GPU, the defaults otherwise
-        r = pretrain_command(out / f"pt_gpus{n}", data, args.steps, args.micro, VARIANTS["default"],
-                             out / f"log_pt_gpus{n}.txt", gpus=n)
-        res[f"fastbert_pretrain_gpus{n}"] = r
-        print(f"fastbert pretrain on {n} GPU(s):", {k: v for k, v in r.items() if k != "windows"}, flush=True)
-        save(args, res)
+        for name in args.gpu_variants.split(","):   # and other ZeRO stages beside the defaults
+            key = f"gpus{n}" + ("" if name == "default" else f"_{name}")
+            r = pretrain_command(out / f"pt_{key}", data, args.steps, args.micro, VARIANTS[name],
+                                 out / f"log_pt_{key}.txt", gpus=n)
+            res[f"fastbert_pretrain_{key}"] = r
+            print(f"fastbert pretrain on {n} GPU(s), {name}:", {k: v for k, v in r.items() if k != "windows"},
+                  flush=True)
+            save(args, res)
     one = res.get("fastbert_pretrain_gpus1", {}).get("seq_per_s")
     for n in counts:
         r = res[f"fastbert_pretrain_gpus{n}"]
@@ -189,6 +199,18 @@ def part_finetune(args, res: dict) -> None:
         save(args, res)
 
 
+def part_ttq(args, res: dict) -> None:
+    """Time to quality, small preset: HF's bare loop beside the `fastbert pretrain` command
+    (benchmarks/time_to_quality.py's pretrain part, ways hf and fb-pretrain)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import time_to_quality
+    out = Path(args.out) / "ttq"
+    out.mkdir(parents=True, exist_ok=True)
+    summary = time_to_quality.main(["--parts", "pretrain", "--data", str(args.data), "--out", str(out),
+                                    "--steps", str(args.ttq_steps), "--seeds", "0", "--ways", "hf,fb-pretrain"])
+    res["time_to_quality"] = summary["pretrain"]["agreement"]
+
+
 def save(args, res: dict) -> Path:
     """Write what is measured so far (a run cut short keeps its figures)."""
     name = "real_paths_" + "".join(c if c.isalnum() else "_" for c in res["card"]) + ".json"
@@ -220,6 +242,16 @@ def table(res: dict) -> str:
         if t and k.startswith("fastbert_finetune_sst2") and f.get("ok") and f.get("train_s"):
             rows.append((f"fastbert finetune sst2 {k[23:]} (train s, dev acc)",
                          f"{f['train_s']:.1f} s, {f['accuracy']:.4f}", f"{t['train_s'] / f['train_s']:.2f}x faster"))
+    q = res.get("time_to_quality", {})
+    if "hf" in q:
+        rows.append(("time to quality, small preset: HF bare loop (train s, final held-out MLM loss)",
+                     f"{q['hf']['train_seconds']:.1f} s, {q['hf']['final_mlm_loss']:.3f}", "1.00x"))
+    if "fb-pretrain" in q:
+        f = q["fb-pretrain"]
+        rows.append(("time to quality: fastbert pretrain (train s, final loss on the same masks)",
+                     f"{f['train_seconds']:.1f} s, {f['final_mlm_loss']:.3f}",
+                     f"{f['seconds_vs_hf']:.2f}x HF's seconds (target <= 0.5x, loss <= HF + 0.02: "
+                     f"{'met' if f['time_to_quality_target_met'] else 'missed'})"))
     w = [max(len(r[i]) for r in rows) for i in range(3)]
     return "\n".join(" | ".join(c.ljust(w[i]) for i, c in enumerate(r)) for r in rows)
 
@@ -237,12 +269,15 @@ def main():
     p.add_argument("--variants", default="default,z1-pack,z2-pack,z1-none,default-noguard")
     p.add_argument("--gpus", default="", help="weak scaling, e.g. 1,2,4: `fastbert pretrain` (defaults) on that many "
                    "GPUs with micro batch --micro per GPU (a multi-GPU kind)")
+    p.add_argument("--gpu-variants", default="default",
+                   help="variants run at each --gpus count, e.g. default,z1-pack,z2-pack (ZeRO stage per world size)")
     p.add_argument("--bare-fastbert", action="store_true",
                    help="also time fastbert's model (padded batches, dynamic shapes) in HF's bare loop")
     p.add_argument("--ft-variants", default="default@1,default@2,eager,padded",
                    help=f"fastbert finetune runs, in order: {', '.join(FT_VARIANTS)}; NAME@N repeats a variant "
                         "(the first run of a fresh machine tunes Triton cold, later ones read the tuning cache)")
     p.add_argument("--ft-train", type=int, default=0, help="SST-2 training examples (0 = all 67,349)")
+    p.add_argument("--ttq-steps", type=int, default=3000, help="time-to-quality steps (small preset, batch 256)")
     args = p.parse_args()
     import torch
     out = Path(args.out)
@@ -255,6 +290,9 @@ def main():
     save(args, res)
     if "finetune" in parts:
         part_finetune(args, res)
+    save(args, res)
+    if "ttq" in parts:
+        part_ttq(args, res)
     save(args, res)
     print(f"\n==== {card} ====\n" + table(res), flush=True)
 

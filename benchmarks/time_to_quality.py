@@ -3,15 +3,23 @@ data, then fine-tuned. One script, resumable per part (a finished run's JSON is 
 and PNGs under --out.
 
 Parts:
-  pretrain  The `small` preset (L=4, H=512) pretrained for --steps optimizer steps three ways on one card,
-            on the SAME batches and masks: HF BertForPreTraining (SDPA), fastbert kernels="torch",
-            fastbert kernels="triton"; --seeds seeds each (model init and dropout). MLM loss / accuracy
-            on a fixed held-out set every --eval-every steps, wall-clock per run; plots loss vs step and
-            loss vs seconds. All three use Post-LN: HF's BertModel has no Pre-LN, and the three curves must
-            be the same model to be comparable (`--prenorm` runs the two fastbert ways Pre-LN instead).
-            Academic-budget hyperparameters scaled to the run: AdamW lr --lr, betas (0.9, 0.98), eps 1e-6,
-            weight decay 0.01, warmup 6% of the steps then linear decay to 0, MLM only, seq 128, bf16
-            autocast on GPU.
+  pretrain  The `small` preset (L=4, H=512) pretrained for --steps optimizer steps on one card:
+            hf          HF BertForMaskedLM (SDPA) in a plain loop (what a user would otherwise run);
+            fb-torch, fb-triton   fastbert's model in the same plain loop, kernels="torch" / "triton",
+                        on the SAME batches and masks as hf (padded rows, shapes change every step);
+            fb-pretrain the `fastbert pretrain` command itself (static packed batches, CUDA graphs, the
+                        DeepSpeed engine and its defaults), same preset, steps, batch, optimizer and
+                        schedule, its own data order and masks; its final model (the HF export) is
+                        evaluated on the same held-out batches and masks as the others, its curve
+                        between comes from its own evaluations (the same held-out split, other masks).
+            --seeds seeds each (model init and dropout). MLM loss / accuracy on a fixed held-out set every
+            --eval-every steps, training seconds per run (warm-up, tuning and graph capture included;
+            evaluation left out); plots loss vs step and loss vs seconds. All use Post-LN: HF's BertModel
+            has no Pre-LN, and the curves must be the same model to be comparable (`--prenorm` runs the
+            fastbert ways Pre-LN instead). Academic-budget hyperparameters scaled to the run: AdamW lr --lr,
+            betas (0.9, 0.98), eps 1e-6, weight decay 0.01, warmup 6% of the steps then linear decay to 0,
+            MLM only, seq 128, bf16 autocast on GPU. The summary gives each way's final loss beside HF's and
+            its training seconds as a fraction of HF's (issue 14's target: HF's final loss +-0.02 in <= 0.5x).
   finetune  `fastbert finetune` of the pretrained fastbert (triton) checkpoint and of a random-init model of
             the same shape on SST-2 and MRPC, --ft-seeds seeds each; medians and the margin.
   minilm    all-MiniLM-L6-v2 fine-tuned on full SST-2 and MRPC with fastbert (triton) and with HF (a plain HF
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -36,7 +45,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-WAYS = ("hf", "fb-torch", "fb-triton")
+WAYS = ("hf", "fb-torch", "fb-triton", "fb-pretrain")
 BUDGET_SEQUENCES = 95e6  # 24hBERT (Izsak et al. 2021): ~23k steps x 4096 sequences of 128 tokens
 
 
@@ -178,11 +187,60 @@ def pretrain_run(way: str, seed: int, args, data: SameBatches, eval_set, out: Pa
     return res
 
 
+def pretrain_command_run(seed: int, args, eval_set, out: Path) -> dict:
+    """``fastbert pretrain`` (the command, in a child process) with the benchmark's recipe; its final HF
+    export evaluated on ``eval_set``."""
+    path = out / f"pretrain_fb-pretrain_seed{seed}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    run_dir = out / f"fb-pretrain_seed{seed}"
+    cfg = {
+        "output_dir": str(run_dir),
+        "model": {"preset": args.preset, "head": "masked_lm", "prenorm": args.prenorm, "kernels": "auto"},
+        "data": {"dir": str(args.data), "auto_prepare": False},
+        "train": {"micro_batch_size": args.batch, "global_batch_size": args.batch, "max_steps": args.steps,
+                  "warmup": 0.06, "schedule": "linear", "gradient_clipping": 1.0, "precision": "auto",
+                  "seed": seed, "optimizer": {"type": "adamw", "lr": args.lr, "betas": [0.9, 0.98], "eps": 1e-6,
+                                              "weight_decay": 0.01}},
+        "eval": {"every_steps": args.eval_every, "batches": args.eval_batches, "at_end": False},
+        "checkpoint": {"every_steps": None, "every_minutes": None, "at_end": True, "resume": "never"},
+        "log": {"every_steps": math.gcd(args.eval_every, args.steps), "tensorboard": False},
+        "export": {"hf": True},
+    }
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir.parent / f"fb-pretrain_seed{seed}.json").write_text(json.dumps(cfg, indent=1))
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "fastbert.cli", "pretrain", "--config",
+                    str(run_dir.parent / f"fb-pretrain_seed{seed}.json")], check=True)
+    command_s = time.perf_counter() - t0
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    train_s = {r["step"]: r["train_s"] for r in records if r["event"] == "train"}
+    curve = [{"step": r["step"], "seconds": train_s.get(r["step"]), "mlm_loss": r["mlm_loss"], "mlm_acc": r["mlm_acc"],
+              "eval_masks": "own"} for r in records if r["event"] == "eval"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    import fastbert
+    device = eval_set[0]["input_ids"].device
+    model = fastbert.BertForMaskedLM.from_pretrained(run_dir / "hf").to(device)
+    on_gpu = device.type == "cuda"
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if on_gpu else (lambda: torch.autocast(
+        "cpu", enabled=False))
+    final = {"step": summary["steps"], "seconds": summary["train_s"], **evaluate(model, eval_set, autocast),
+             "eval_masks": "shared"}
+    curve = [p for p in curve if p["step"] < final["step"]] + [final]
+    print(f"[pretrain] fb-pretrain seed {seed}: {final} (command {command_s:.1f}s)", flush=True)
+    res = {"way": "fb-pretrain", "seed": seed, "preset": args.preset, "prenorm": args.prenorm, "steps": args.steps,
+           "batch": args.batch, "lr": args.lr, "train_seconds": summary["train_s"], "command_seconds": command_s,
+           "device": torch.cuda.get_device_name() if on_gpu else "cpu", "curve": curve, "config": cfg}
+    from fastbert.io import atomic_write_text
+    atomic_write_text(path, json.dumps(res, indent=2))
+    return res
+
+
 def plot_curves(runs: list[dict], out: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    colors = {"hf": "tab:blue", "fb-torch": "tab:orange", "fb-triton": "tab:green"}
+    colors = {"hf": "tab:blue", "fb-torch": "tab:orange", "fb-triton": "tab:green", "fb-pretrain": "tab:red"}
     for xkey, name in (("step", "loss_vs_step.png"), ("seconds", "loss_vs_seconds.png")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for r in runs:
@@ -218,6 +276,10 @@ def agreement(runs: list[dict]) -> dict:
             v["loss_diff_vs_hf"] = v["final_mlm_loss"] - table["hf"]["final_mlm_loss"]
             v["within_seed_noise"] = abs(v["loss_diff_vs_hf"]) <= max(noise, 1e-3) * 2
             v["speedup_vs_hf"] = table["hf"]["train_seconds"] / v["train_seconds"]
+            v["seconds_vs_hf"] = v["train_seconds"] / table["hf"]["train_seconds"]
+            # Issue 14's time-to-quality target: HF's final held-out loss (+-0.02) in <= 0.5x its seconds.
+            v["reaches_hf_loss"] = v["final_mlm_loss"] <= table["hf"]["final_mlm_loss"] + 0.02
+            v["time_to_quality_target_met"] = v["reaches_hf_loss"] and v["seconds_vs_hf"] <= 0.5
     return table
 
 
@@ -225,7 +287,8 @@ def part_pretrain(args, out: Path) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     data = SameBatches(args.data, args.batch, seed=1234, device=device)
     eval_set = data.eval_set(args.eval_batches)
-    runs = [pretrain_run(way, seed, args, data, eval_set, out) for seed in args.seeds for way in args.ways]
+    runs = [pretrain_command_run(seed, args, eval_set, out) if way == "fb-pretrain" else
+            pretrain_run(way, seed, args, data, eval_set, out) for seed in args.seeds for way in args.ways]
     plot_curves(runs, out)
     summary = {"runs": [f"pretrain_{r['way']}_seed{r['seed']}.json" for r in runs], "agreement": agreement(runs),
                "plots": ["loss_vs_step.png", "loss_vs_seconds.png"]}
@@ -340,14 +403,16 @@ def main(argv=None):
     unknown = set(parts) - {"pretrain", "finetune", "minilm", "project"}
     if unknown:
         raise SystemExit(f"unknown part(s) {sorted(unknown)}; choose from pretrain, finetune, minilm, project")
+    done = {}
     if "pretrain" in parts:
-        part_pretrain(args, out)
+        done["pretrain"] = part_pretrain(args, out)
     if "finetune" in parts:
-        part_finetune(args, out)
+        done["finetune"] = part_finetune(args, out)
     if "minilm" in parts:
         part_minilm(args, out)
     if "project" in parts:
-        part_project(args, out)
+        done["project"] = part_project(args, out)
+    return done
 
 
 if __name__ == "__main__":
