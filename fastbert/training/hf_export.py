@@ -3,9 +3,9 @@
 ``write_hf_dir`` writes an HF-loadable folder (``config.json``, ``model.safetensors``, ``vocab.txt``,
 ``tokenizer_config.json``) from the fp32 weights, atomically: everything goes to a hidden sibling
 folder first, which is renamed into place once complete. The weights come from the module itself
-when it holds them in full and in fp32 (ZeRO 0-2, fp32), else from DeepSpeed's fp32 consolidation
-of the checkpoint just written (ZeRO-3 partitions, or 16-bit module weights with fp32 masters in
-the optimizer). Only rank 0 reads and writes; no collectives.
+when it holds them in full and in fp32 (ZeRO 0-2 in fp32 or bf16, which is autocast over fp32 weights),
+else from DeepSpeed's fp32 consolidation of the checkpoint just written (ZeRO-3 partitions, or fp16's
+16-bit module weights with fp32 masters in the optimizer). Only rank 0 reads and writes; no collectives.
 """
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ TOKENIZER_FILES = ("vocab.txt", "tokenizer_config.json")
 
 
 def module_holds_fp32_weights(engine) -> bool:
-    return engine.precision == "fp32" and engine.zero_stage < 3
+    """ZeRO 0-2 with fp32 parameters: fp32 runs and bf16 (autocast over fp32 weights). fp16 keeps 16-bit
+    module weights (fp32 masters in the optimizer), ZeRO-3 partitions them."""
+    return engine.zero_stage < 3 and all(p.dtype == torch.float32 for p in engine.module.parameters())
 
 
 def consolidated_model(engine, model_cls, config, ckpt_dir: Path, tag: str):
@@ -92,9 +94,10 @@ def weights_fingerprint(module: torch.nn.Module) -> Optional[str]:
 
 def all_finite(module: torch.nn.Module) -> bool:
     """True when every parameter this rank holds (its ZeRO-3 partition, else the full tensor) is finite."""
+    flags = []
     for p in module.parameters():
         t = getattr(p, "ds_tensor", None)
         t = p.detach() if t is None else t
-        if t.numel() and not bool(torch.isfinite(t).all()):
-            return False
-    return True
+        if t.numel():
+            flags.append(torch.isfinite(t).all())
+    return not flags or bool(torch.stack(flags).all())   # one read, not one per parameter
