@@ -29,6 +29,7 @@ import torch
 from fastbert.io import atomic_write_text
 from fastbert.ops import resolve_kernels
 from fastbert.training import checkpoint as ckpt
+from fastbert.training.config import PretrainConfig, as_dict
 from fastbert.training import determinism, hf_export, preflight
 from fastbert.training.engine import DistInfo, all_reduce_sum, barrier, build_engine, load_ds_config
 from fastbert.training.guard import SpikeGuard, Verdict, install as install_guard
@@ -38,23 +39,22 @@ from fastbert.training.manifest import build_manifest, write_manifest
 from fastbert.training.pretrain_metrics import (Accumulator, eta, evaluate, host_counts, schedule_info, static_inputs,
                                                train_metrics)
 from fastbert.training.resume import choose_resume, model_signature, reseed, universal_if_needed
-from fastbert.training.schedules import (StepSchedule, TimeBudgetSchedule, make_clock, parse_duration,
-                                         torch_all_reduce_max)
+from fastbert.training.schedules import StepSchedule, TimeBudgetSchedule, make_clock, torch_all_reduce_max
 
 
 # ------------------------------------------------------------------------------------------ set-up
-def ensure_prepared(cfg: dict, dist: DistInfo, log: MetricsLogger) -> Path:
+def ensure_prepared(cfg: PretrainConfig, dist: DistInfo, log: MetricsLogger) -> Path:
     """Prepare ``data.dir`` from ``data.prepare`` if it is not prepared yet (local rank 0 of each node
     does it; preparation is deterministic and writes atomically, so nodes sharing a disk agree)."""
     from fastbert.data.shards import ShardError, load_index
-    data_dir = Path(cfg["data"]["dir"])
+    data_dir = Path(cfg.data.dir)
     if not (data_dir / "index.json").is_file():
-        if not cfg["data"]["auto_prepare"]:
+        if not cfg.data.auto_prepare:
             raise ShardError(f"{data_dir} is not prepared; run `fastbert prepare --out {data_dir} ...` or set "
                              "data.auto_prepare=true")
         if dist.local_rank == 0:
             from fastbert.data.prepare import PrepareConfig, prepare
-            p = dict(cfg["data"]["prepare"])
+            p = as_dict(cfg.data.prepare)
             log.print(f"[fastbert] preparing {data_dir} from {p['corpus']} (one-time)")
             corpus = p.pop("corpus")
             prepare(PrepareConfig(corpus=corpus if isinstance(corpus, list) else [corpus], out=str(data_dir), **p),
@@ -64,26 +64,26 @@ def ensure_prepared(cfg: dict, dist: DistInfo, log: MetricsLogger) -> Path:
     return data_dir
 
 
-def build_model(cfg: dict, index: dict, device: torch.device):
+def build_model(cfg: PretrainConfig, index: dict, device: torch.device):
     import fastbert
     from fastbert.config import BertConfig
-    m = cfg["model"]
-    kernels = resolve_kernels(m["kernels"], device)
-    overrides = dict(m["overrides"])
+    m = cfg.model
+    kernels = resolve_kernels(m.kernels, device)
+    overrides = dict(m.overrides)
     vocab = overrides.pop("vocab_size", index["vocab_size"])
     if vocab != index["vocab_size"]:
-        raise ValueError(f"model.overrides.vocab_size={vocab} but {cfg['data']['dir']} was tokenized with a "
+        raise ValueError(f"model.overrides.vocab_size={vocab} but {cfg.data.dir} was tokenized with a "
                          f"{index['vocab_size']}-token vocabulary; drop the override (the data decides) or "
                          "re-prepare the data with the model's vocab.txt")
     overrides.setdefault("max_position_embeddings", max(512, index["seq_len"]))
     overrides.setdefault("sparse_prediction", True)  # MLM loss on the masked rows only, no dense logits
     if overrides["max_position_embeddings"] < index["seq_len"]:
-        raise ValueError(f"{cfg['data']['dir']} holds sequences of up to {index['seq_len']} tokens but the model has "
+        raise ValueError(f"{cfg.data.dir} holds sequences of up to {index['seq_len']} tokens but the model has "
                          f"max_position_embeddings={overrides['max_position_embeddings']}; raise "
                          "model.overrides.max_position_embeddings or prepare the data with a smaller --seq-len")
-    config = BertConfig.preset(m["preset"], prenorm=m["prenorm"], kernels=kernels, vocab_size=index["vocab_size"],
+    config = BertConfig.preset(m.preset, prenorm=m.prenorm, kernels=kernels, vocab_size=index["vocab_size"],
                                pad_token_id=index["special_ids"]["pad"], **overrides)
-    head = m["head"]
+    head = m.head
     if head == "auto":
         head = "pretraining" if index["nsp"] else "masked_lm"
     if head == "pretraining":
@@ -134,18 +134,18 @@ def _seed_all(seed: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------ main
-def run_pretraining(cfg: dict) -> dict:
+def run_pretraining(cfg: PretrainConfig) -> dict:
     """Train per ``cfg`` (see training/config.py); returns the final summary (rank 0 has the metrics)."""
     import os
     import warnings
     # DeepSpeed 0.19 calls torch.distributed collectives that torch 2.13 marks deprecated, once per bucket.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-    det = determinism.enable() if cfg["train"]["deterministic"] else None
+    det = determinism.enable() if cfg.train.deterministic else None
     is_main_env = int(os.environ.get("RANK", "0")) == 0
-    dist, pre = preflight.start(cfg["dist"], log=lambda text: print(text, flush=True) if is_main_env else None)
+    dist, pre = preflight.start(as_dict(cfg.dist), log=lambda text: print(text, flush=True) if is_main_env else None)
     watchdog = pre.pop("watchdog")
-    out_dir = Path(cfg["output_dir"])
-    log = MetricsLogger(out_dir, enabled=dist.is_main, tensorboard=cfg["log"]["tensorboard"])
+    out_dir = Path(cfg.output_dir)
+    log = MetricsLogger(out_dir, enabled=dist.is_main, tensorboard=cfg.log.tensorboard)
     try:
         if det is not None:
             log.print("[fastbert] deterministic mode: " + ", ".join(f"{k}={v}" for k, v in det.items()))
@@ -184,7 +184,7 @@ class _Run:
         tm = self.train_metrics
         throughput = {k: tm[k] for k in ("seq_per_s", "tokens_per_s", "mfu", "loss", "lr") if k in tm} or None
         return build_manifest(
-            "pretrain", config=self.cfg, seed=int(self.cfg["train"]["seed"]), step=step, throughput=throughput,
+            "pretrain", config=self.cfg.to_dict(), seed=self.cfg.train.seed, step=step, throughput=throughput,
             distributed=dist_info, deterministic=self.det, final=final, eval=self.last_eval,
             data={"dir": str(self.data_dir), "settings": self.index.get("settings"), "seq_len": self.index["seq_len"],
                   "train_sequences": self.index["splits"]["train"]["num_sequences"], "data_skip": self.data_skip},
@@ -196,7 +196,7 @@ class _Run:
 
     # -- checkpoints --------------------------------------------------------------------------------
     def save(self, step: int) -> Path:
-        engine, c_cfg = self.engine, self.cfg["checkpoint"]
+        engine, c_cfg = self.engine, self.cfg.checkpoint
         t0 = time.perf_counter()
         finite = all_reduce_sum([0.0 if hf_export.all_finite(engine.module) else 1.0], engine.device)[0] == 0
         good = finite and self.guard.healthy
@@ -210,7 +210,7 @@ class _Run:
         def extra(tag_dir: Path) -> None:
             if not self.dist.is_main:
                 return
-            if c_cfg["hf"]:
+            if c_cfg.hf:
                 model = hf_export.consolidated_model(engine, type(self.model), self.model.config, self.ckpt_dir,
                                                      tag_dir.name)
                 hf_export.write_hf_dir(model, tag_dir / "hf", self.data_dir)
@@ -219,10 +219,10 @@ class _Run:
             write_manifest(self.out_dir / "manifest.json", m)
 
         path = ckpt.save_checkpoint(engine, self.ckpt_dir, step, client, {"masking": self.collator.state_dict()},
-                                    keep=c_cfg["keep"], info=info, extra=extra)
+                                    keep=c_cfg.keep, info=info, extra=extra)
         seconds = time.perf_counter() - t0
         self.log.log("checkpoint", step, path=str(path), seconds=seconds, good=good,
-                     hf=bool(c_cfg["hf"]))
+                     hf=c_cfg.hf)
         self.log.print(f"[fastbert] checkpoint {path}{'' if good else ' (marked BAD)'} ({seconds:.1f}s)")
         return path
 
@@ -239,7 +239,7 @@ class _Run:
         if rank_state is not None:
             self.collator.load_state_dict(rank_state["masking"])
         else:
-            reseed(int(self.cfg["train"]["seed"]), dist.rank, step, self.collator)
+            reseed(self.cfg.train.seed, dist.rank, step, self.collator)
             self.log.print(f"[fastbert] checkpoint was written by {client.get('world_size')} ranks, this run has "
                            f"{dist.world_size}: weights, optimizer, schedule and data stream resume exactly; "
                            "masking and dropout streams are re-seeded from (seed, rank, step)")
@@ -281,59 +281,57 @@ class _Run:
         return True
 
 
-def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict, det: Optional[dict]) -> dict:
+def _run(cfg: PretrainConfig, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict, det: Optional[dict]) -> dict:
     from fastbert.data.masking import collator_for
     from fastbert.data.pretrain_dataset import GlobalOrder, PackedOrder, PretrainData, PretrainLoader, eval_batches
 
     r = _Run(cfg, dist, out_dir, log, pre, det)
-    t_cfg, d_cfg, c_cfg = cfg["train"], cfg["data"], cfg["checkpoint"]
+    t_cfg, d_cfg, c_cfg = cfg.train, cfg.data, cfg.checkpoint
     r.data_dir = data_dir = ensure_prepared(cfg, dist, log)
     train_data = PretrainData(data_dir, "train")
     r.index = index = train_data.index
-    seed = int(t_cfg["seed"])
+    seed = t_cfg.seed
     _seed_all(seed)                                   # identical initial weights on every rank
     r.model = model = build_model(cfg, index, dist.device)
     r.num_params = model.num_parameters()             # before ZeRO-3 partitions the parameters
     if det is not None:
         for problem in determinism.check_ops(model.config.kernels):
             log.print(f"[fastbert] WARNING: deterministic mode, but this op is not deterministic yet: {problem}")
-    ds_json = load_ds_config(t_cfg["deepspeed"])
-    zero_stage = resolve_zero_stage(t_cfg["zero_stage"], ds_json, dist.world_size,
-                                    saved_zero_stage(r.ckpt_dir, c_cfg["resume"]))
+    ds_json = load_ds_config(t_cfg.deepspeed)
+    zero_stage = resolve_zero_stage(t_cfg.zero_stage, ds_json, dist.world_size,
+                                    saved_zero_stage(r.ckpt_dir, c_cfg.resume))
     if zero_stage is not None:
         ds_json["zero_optimization"] = dict(ds_json.get("zero_optimization", {}), stage=int(zero_stage))
-    resume_tag, ds_config = choose_resume(c_cfg["resume"], r.ckpt_dir, dist, ds_json, log,
+    resume_tag, ds_config = choose_resume(c_cfg.resume, r.ckpt_dir, dist, ds_json, log,
                                           signature=model_signature(model))
-    r.engine = engine = build_engine(model, ds_config, optimizer=t_cfg["optimizer"],
-                                     micro_batch_size=t_cfg["micro_batch_size"],
-                                     global_batch_size=t_cfg["global_batch_size"], precision=t_cfg["precision"],
-                                     gradient_clipping=t_cfg["gradient_clipping"],
+    r.engine = engine = build_engine(model, ds_config, optimizer=t_cfg.optimizer,
+                                     micro_batch_size=t_cfg.micro_batch_size,
+                                     global_batch_size=t_cfg.global_batch_size, precision=t_cfg.precision,
+                                     gradient_clipping=t_cfg.gradient_clipping,
                                      zero_stage=zero_stage,
                                      dist=dist)
-    graphs_off = engine.enable_cuda_graphs(t_cfg["cuda_graphs"])
+    graphs_off = engine.enable_cuda_graphs(t_cfg.cuda_graphs)
     if graphs_off is not None and dist.device.type == "cuda":
         log.print(f"[fastbert] CUDA graphs: {graphs_off}; running eagerly")
-    r.guard = guard = SpikeGuard(cfg["guard"], dist.rank, dist.device)
+    r.guard = guard = SpikeGuard(as_dict(cfg.guard), dist.rank, dist.device)
     install_guard(engine, guard)
     _seed_all(seed + 1000 * (dist.rank + 1))          # per-rank dropout streams
     if dist.is_main:
-        atomic_write_text(out_dir / "config.json", json.dumps(cfg, indent=1) + "\n")
+        atomic_write_text(out_dir / "config.json", json.dumps(cfg.to_dict(), indent=1) + "\n")
         atomic_write_text(out_dir / "ds_config.json", json.dumps(engine.ds_config, indent=1) + "\n")
 
     # Schedule: wall-clock budget (LR follows time) or steps.
-    lr = float(t_cfg["optimizer"]["lr"])
-    max_steps = t_cfg["max_steps"]
-    if t_cfg["time_budget"] is not None:
-        schedule = TimeBudgetSchedule(lr, parse_duration(t_cfg["time_budget"]), t_cfg["warmup"], t_cfg["schedule"],
-                                      clock=make_clock(t_cfg["clock"], dist.rank),
+    lr = float(t_cfg.optimizer["lr"])
+    max_steps = t_cfg.max_steps
+    if t_cfg.time_budget_s is not None:
+        schedule = TimeBudgetSchedule(lr, t_cfg.time_budget_s, t_cfg.warmup, t_cfg.schedule,
+                                      clock=make_clock(t_cfg.clock, dist.rank),
                                       all_reduce_max=torch_all_reduce_max(dist.device))
     else:
-        schedule = StepSchedule(lr, max_steps, t_cfg["warmup"], t_cfg["schedule"])
+        schedule = StepSchedule(lr, max_steps, t_cfg.warmup, t_cfg.schedule)
     r.schedule = schedule
 
-    m_cfg = d_cfg["masking"]
-    mk = dict(rate=m_cfg["rate"], mask_prob=m_cfg["mask_prob"], random_prob=m_cfg["random_prob"],
-              random_tokens=m_cfg["random_tokens"], whole_word=m_cfg["whole_word"], device=dist.device, index=index)
+    mk = dict(**as_dict(d_cfg.masking), device=dist.device, index=index)
     r.collator = collator = collator_for(data_dir, seed=seed * 7919 + dist.rank, **mk)
     eval_collator = collator_for(data_dir, seed=seed * 7919 + 104729 + dist.rank, **mk)
     eval_state = eval_collator.state_dict()
@@ -348,23 +346,23 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict
     start_step = engine.global_steps
 
     # Static shapes: rows of seq_len tokens, several sequences a row when packing (data/static_batch.py).
-    per_row = int(d_cfg["per_row"]) if d_cfg["packing"] == "pack" else 1
-    if d_cfg["packing"] == "pack":               # "pack" | "none", checked at load (config_keys.py)
+    per_row = d_cfg.sequences_per_row
+    if d_cfg.packing == "pack":               # "pack" | "none", checked at load (config_keys.py)
         order = PackedOrder(train_data.lengths(), engine.global_batch_size, seed, train_data.seq_len, per_row)
     else:
         order = GlobalOrder(len(train_data), engine.global_batch_size, seed)
     loader = PretrainLoader(train_data, order, rank=dist.rank, world=dist.world_size,
                             micro_batch=engine.micro_batch_size, grad_accum=engine.grad_accum,
-                            start_step=start_step + r.data_skip, prefetch=d_cfg["prefetch"],
+                            start_step=start_step + r.data_skip, prefetch=d_cfg.prefetch,
                             pin=dist.device.type == "cuda", per_row=per_row)
-    e_cfg = cfg["eval"]
+    e_cfg = cfg.eval
     val_batches = []
     try:
         val_data = PretrainData(data_dir, "val")
         if len(val_data):
             val_batches = eval_batches(val_data, rank=dist.rank, world=dist.world_size,
-                                       micro_batch=e_cfg["micro_batch_size"] or engine.micro_batch_size,
-                                       max_batches=e_cfg["batches"], per_row=per_row)
+                                       micro_batch=e_cfg.micro_batch_size or engine.micro_batch_size,
+                                       max_batches=e_cfg.batches, per_row=per_row)
     except Exception as e:  # a missing split is reported, not fatal
         log.print(f"[fastbert] no evaluation: {e}")
     if not val_batches:
@@ -372,8 +370,8 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict
 
     mc = model.config
     avg_len = index["splits"]["train"]["num_tokens"] / max(1, index["splits"]["train"]["num_sequences"])
-    peak = peak_tflops(dist.device, cfg["log"]["peak_tflops"])
-    log.print(f"[fastbert] {type(model).__name__} {cfg['model']['preset']} ({r.num_params / 1e6:.1f}M params, "
+    peak = peak_tflops(dist.device, cfg.log.peak_tflops)
+    log.print(f"[fastbert] {type(model).__name__} {cfg.model.preset} ({r.num_params / 1e6:.1f}M params, "
               f"kernels={mc.kernels}, prenorm={mc.prenorm}) | {dist.world_size} rank(s) on {dist.num_nodes} node(s), "
               f"{dist.device.type} | ZeRO-{engine.zero_stage} {engine.precision} | global batch "
               f"{engine.global_batch_size} = {engine.micro_batch_size} x {dist.world_size} x {engine.grad_accum} | "
@@ -385,13 +383,13 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict
             train_sequences=len(train_data), deterministic=det is not None, data_skip=r.data_skip,
             preflight_s=pre.get("preflight_s"))
     acc, step_acc = Accumulator(dist.device), Accumulator(dist.device)
-    log_every = cfg["log"]["every_steps"]
-    want_eval_at, want_ckpt_at = _next_deadline(e_cfg["every_minutes"]), _next_deadline(c_cfg["every_minutes"])
+    log_every = cfg.log.every_steps
+    want_eval_at, want_ckpt_at = _next_deadline(e_cfg.every_minutes), _next_deadline(c_cfg.every_minutes)
     window_t0, window_steps = time.perf_counter(), 0
     last_ckpt_step = start_step
     schedule_started = False
     has_nsp_head = getattr(model, "has_nsp", False)
-    stop, stopped = StopRequest(log.print, c_cfg["interrupt_timeout_s"]).install(), False
+    stop, stopped = StopRequest(log.print, c_cfg.interrupt_timeout_s).install(), False
     batches = iter(loader)
 
     def guard_events(verdicts: list) -> bool:
@@ -442,8 +440,8 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict
                 continue
             done_steps = step + 1
             # The guard's verdicts reach the host a step late, except where the host needs them now.
-            settle = (done_steps % log_every == 0 or _every(e_cfg["every_steps"], done_steps)
-                      or _every(c_cfg["every_steps"], done_steps) or stop.requested)
+            settle = (done_steps % log_every == 0 or _every(e_cfg.every_steps, done_steps)
+                      or _every(c_cfg.every_steps, done_steps) or stop.requested)
             verdicts = guard.end_step(engine, step, data_step, settle=settle)
             acc.merge(step_acc, guard.last_ok)             # a skipped step's metrics weigh 0 (on the device)
             if guard_events(verdicts):
@@ -470,17 +468,17 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict
                 eval_due_time = ckpt_due_time = False
                 stop_due = dist.world_size == 1 and stop.requested      # one rank: no agreement needed
             # ---- evaluation
-            if val_batches and (eval_due_time or _every(e_cfg["every_steps"], done_steps)):
+            if val_batches and (eval_due_time or _every(e_cfg.every_steps, done_steps)):
                 r.last_eval = evaluate(engine, val_batches, eval_collator, eval_state)
                 log.log("eval", done_steps, **r.last_eval)
                 log.print(f"[eval] step {done_steps} | " + " | ".join(f"{k} {v:.4f}" for k, v in r.last_eval.items()))
-                want_eval_at = _next_deadline(e_cfg["every_minutes"])
+                want_eval_at = _next_deadline(e_cfg.every_minutes)
                 window_t0 = time.perf_counter()
             # ---- checkpoint
-            if ckpt_due_time or _every(c_cfg["every_steps"], done_steps):
+            if ckpt_due_time or _every(c_cfg.every_steps, done_steps):
                 r.save(done_steps)
                 last_ckpt_step = done_steps
-                want_ckpt_at = _next_deadline(c_cfg["every_minutes"])
+                want_ckpt_at = _next_deadline(c_cfg.every_minutes)
                 window_t0 = time.perf_counter()
             # ---- SIGINT / SIGTERM: a checkpoint at this step boundary, then stop (training/interrupt.py)
             if stop_due:
@@ -499,17 +497,17 @@ def _run(cfg: dict, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict
         return _stopped(r, stop, final_step)
     if final_step == start_step and resume_tag is not None:
         _say_budget_spent(r, final_step)
-    if val_batches and e_cfg["at_end"]:
+    if val_batches and e_cfg.at_end:
         r.last_eval = evaluate(engine, val_batches, eval_collator, eval_state)
         log.log("eval", final_step, final=True, **r.last_eval)
         log.print(f"[eval] final step {final_step} | " + " | ".join(f"{k} {v:.4f}" for k, v in r.last_eval.items()))
     tag = None
-    if c_cfg["at_end"] or cfg["export"]["hf"]:
+    if c_cfg.at_end or cfg.export.hf:
         if final_step != last_ckpt_step or ckpt.find_latest(r.ckpt_dir) is None:
             r.save(final_step)
         tag = ckpt.find_latest(r.ckpt_dir)
     hf_dir = None
-    if cfg["export"]["hf"]:
+    if cfg.export.hf:
         hf_dir = _export_hf(r, tag)
         log.print(f"[fastbert] HF checkpoint: {hf_dir}")
     summary = {"steps": final_step, "skipped_steps": engine.skipped_steps, "guard_skipped": guard.skipped_total,
@@ -536,12 +534,12 @@ def _stopped(r: _Run, stop: StopRequest, step: int) -> dict:
 
 def _say_budget_spent(r: _Run, step: int) -> None:
     """A resumed run with nothing left to train says so, and how to train longer."""
-    t = r.cfg["train"]
-    if t["time_budget"] is not None and r.schedule.done(step):
-        what, longer = f"train.time_budget={t['time_budget']}", "train.time_budget=<longer> (e.g. 10m; the schedule " \
+    t = r.cfg.train
+    if t.time_budget is not None and r.schedule.done(step):
+        what, longer = f"train.time_budget={t.time_budget}", "train.time_budget=<longer> (e.g. 10m; the schedule " \
                                                              "stretches to the new budget)"
     else:
-        what, longer = f"train.max_steps={t['max_steps']}", f"train.max_steps=<more than {step}>"
+        what, longer = f"train.max_steps={t.max_steps}", f"train.max_steps=<more than {step}>"
     r.log.print(f"[fastbert] {what} is already spent: the checkpoint at step {step} in {r.ckpt_dir} finished it, so "
                 f"there is nothing left to train. To train longer, run again with {longer}; to start over, "
                 "checkpoint.resume=never (or another output_dir)")
