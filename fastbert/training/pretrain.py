@@ -36,8 +36,7 @@ from fastbert.training.guard import SpikeGuard, Verdict, install as install_guar
 from fastbert.training.interrupt import StopRequest
 from fastbert.training.logging import MetricsLogger, peak_tflops
 from fastbert.training.manifest import build_manifest, write_manifest
-from fastbert.training.pretrain_metrics import (Accumulator, eta, evaluate, host_counts, schedule_info, static_inputs,
-                                               train_metrics)
+from fastbert.training.pretrain_metrics import Accumulator, evaluate, host_counts, static_inputs, train_metrics
 from fastbert.training.resume import choose_resume, model_signature, reseed, universal_if_needed
 from fastbert.training.schedules import StepSchedule, TimeBudgetSchedule, make_clock, torch_all_reduce_max
 
@@ -326,7 +325,7 @@ def _run(cfg: PretrainConfig, dist: DistInfo, out_dir: Path, log: MetricsLogger,
     if t_cfg.time_budget_s is not None:
         schedule = TimeBudgetSchedule(lr, t_cfg.time_budget_s, t_cfg.warmup, t_cfg.schedule,
                                       clock=make_clock(t_cfg.clock, dist.rank),
-                                      all_reduce_max=torch_all_reduce_max(dist.device))
+                                      all_reduce_max=torch_all_reduce_max(dist.device), max_steps=max_steps)
     else:
         schedule = StepSchedule(lr, max_steps, t_cfg.warmup, t_cfg.schedule)
     r.schedule = schedule
@@ -412,13 +411,8 @@ def _run(cfg: PretrainConfig, dist: DistInfo, out_dir: Path, log: MetricsLogger,
                 if not schedule_started:
                     schedule.start()
                     schedule_started = True
-                if isinstance(schedule, TimeBudgetSchedule):
-                    step_lr = schedule.tick(step)
-                    finished = schedule.done(step) or (max_steps is not None and step >= max_steps)
-                else:
-                    finished = schedule.done(step)
-                    step_lr = None if finished else schedule.lr(step)
-                if finished:
+                step_lr = schedule.tick(step)
+                if schedule.done(step):
                     if guard_events(guard.flush()):          # the last step's verdict, read before stopping
                         continue
                     break
@@ -459,9 +453,9 @@ def _run(cfg: PretrainConfig, dist: DistInfo, out_dir: Path, log: MetricsLogger,
                 r.train_metrics["train_s"] = r.train_s     # training seconds so far (no eval, no checkpoints)
                 if guard.enabled:      # every skipped step, DeepSpeed's own overflow skips included
                     r.train_metrics["skipped_steps"] = guard.skipped_total
-                log.progress(done_steps, max_steps, r.train_metrics, eta(schedule, max_steps, done_steps,
-                                                                       dt / max(1, window_steps)))
-                log.log("train", done_steps, **r.train_metrics, **schedule_info(schedule))
+                log.progress(done_steps, max_steps, r.train_metrics,
+                             schedule.eta(done_steps, dt / max(1, window_steps)))
+                log.log("train", done_steps, **r.train_metrics, **schedule.info())
                 window_t0, window_steps = time.perf_counter(), 0
                 eval_due_time, ckpt_due_time, stop_due = flags[0] > 0, flags[1] > 0, flags[2] > 0
             else:
@@ -512,7 +506,7 @@ def _run(cfg: PretrainConfig, dist: DistInfo, out_dir: Path, log: MetricsLogger,
         log.print(f"[fastbert] HF checkpoint: {hf_dir}")
     summary = {"steps": final_step, "skipped_steps": engine.skipped_steps, "guard_skipped": guard.skipped_total,
                "rollbacks": guard.rollbacks, "eval": r.last_eval, "train": r.train_metrics,
-               "hf_dir": str(hf_dir) if hf_dir else None, "elapsed_s": getattr(schedule, "elapsed", None),
+               "hf_dir": str(hf_dir) if hf_dir else None, "elapsed_s": schedule.info().get("elapsed_s"),
                "train_s": r.train_s}
     log.log("done", final_step, **{k: v for k, v in summary.items() if k != "train"})
     if dist.is_main:
@@ -535,7 +529,7 @@ def _stopped(r: _Run, stop: StopRequest, step: int) -> dict:
 def _say_budget_spent(r: _Run, step: int) -> None:
     """A resumed run with nothing left to train says so, and how to train longer."""
     t = r.cfg.train
-    if t.time_budget is not None and r.schedule.done(step):
+    if r.schedule.spent(step) == "train.time_budget":
         what, longer = f"train.time_budget={t.time_budget}", "train.time_budget=<longer> (e.g. 10m; the schedule " \
                                                              "stretches to the new budget)"
     else:
