@@ -22,7 +22,8 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 
@@ -38,7 +39,7 @@ from fastbert.training.logging import MetricsLogger, peak_tflops
 from fastbert.training.manifest import build_manifest, write_manifest
 from fastbert.training.pretrain_metrics import Accumulator, evaluate, host_counts, static_inputs, train_metrics
 from fastbert.training.resume import choose_resume, model_signature, reseed, universal_if_needed
-from fastbert.training.schedules import StepSchedule, TimeBudgetSchedule, make_clock, torch_all_reduce_max
+from fastbert.training.schedules import Schedule, StepSchedule, TimeBudgetSchedule, make_clock, torch_all_reduce_max
 
 
 # ------------------------------------------------------------------------------------------ set-up
@@ -131,7 +132,6 @@ def _seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-
 # ------------------------------------------------------------------------------------------ main
 def run_pretraining(cfg: PretrainConfig) -> dict:
     """Train per ``cfg`` (see training/config.py); returns the final summary (rank 0 has the metrics)."""
@@ -148,7 +148,7 @@ def run_pretraining(cfg: PretrainConfig) -> dict:
     try:
         if det is not None:
             log.print("[fastbert] deterministic mode: " + ", ".join(f"{k}={v}" for k, v in det.items()))
-        summary = _run(cfg, dist, out_dir, log, pre, det)
+        summary = train(setup(cfg, dist, out_dir, log, pre, det))
     except BaseException as e:
         if watchdog is not None:
             watchdog.abort(f"{e.__class__.__name__}: {e}"[:500])
@@ -163,16 +163,39 @@ def run_pretraining(cfg: PretrainConfig) -> dict:
     return summary
 
 
-class _Run:
-    """The state of one pretraining run that the loop helpers share."""
+@dataclass
+class Run:
+    """One pretraining run: what ``setup`` builds and ``train`` drives, with the checkpoint, resume
+    and rollback operations the loop calls."""
+    cfg: PretrainConfig
+    dist: DistInfo
+    out_dir: Path
+    log: MetricsLogger
+    pre: dict                          # preflight report (ranks, timings) for the manifest
+    det: Optional[dict]                # deterministic-mode settings, None when off
+    data_dir: Path
+    index: dict
+    train_data: Any
+    model: torch.nn.Module
+    num_params: int                    # counted before ZeRO-3 partitions the parameters
+    engine: Any
+    guard: SpikeGuard
+    schedule: Schedule
+    collator: Any                      # training masking stream (per rank)
+    eval_collator: Any
+    eval_state: dict                   # eval_collator's state before the first evaluation
+    resume_tag: Optional[str] = None
+    start_step: int = 0
+    loader: Any = None                 # built once the resume fixed the data position
+    val_batches: list = field(default_factory=list)
+    data_skip: int = 0
+    last_eval: Optional[dict] = None
+    train_metrics: dict = field(default_factory=dict)
+    train_s: float = 0.0               # seconds in training steps (evaluation and checkpoints left out)
 
-    def __init__(self, cfg, dist, out_dir, log, pre, det):
-        self.cfg, self.dist, self.out_dir, self.log, self.pre, self.det = cfg, dist, out_dir, log, pre, det
-        self.ckpt_dir = out_dir / "checkpoints"
-        self.data_skip = 0
-        self.last_eval: Optional[dict] = None
-        self.train_metrics: dict = {}
-        self.train_s = 0.0          # seconds in training steps (evaluation and checkpoints left out)
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.out_dir / "checkpoints"
 
     # -- manifest ---------------------------------------------------------------------------------
     def manifest(self, step: int, final: bool = False) -> dict:
@@ -280,93 +303,118 @@ class _Run:
         return True
 
 
-def _run(cfg: PretrainConfig, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict, det: Optional[dict]) -> dict:
+def setup(cfg: PretrainConfig, dist: DistInfo, out_dir: Path, log: MetricsLogger, pre: dict,
+          det: Optional[dict]) -> Run:
+    """Everything before the first step: data, model, engine, guard, schedule, masking streams, the
+    resume, the loader and the evaluation batches."""
     from fastbert.data.masking import collator_for
-    from fastbert.data.pretrain_dataset import GlobalOrder, PackedOrder, PretrainData, PretrainLoader, eval_batches
+    from fastbert.data.pretrain_dataset import PretrainData
 
-    r = _Run(cfg, dist, out_dir, log, pre, det)
-    t_cfg, d_cfg, c_cfg = cfg.train, cfg.data, cfg.checkpoint
-    r.data_dir = data_dir = ensure_prepared(cfg, dist, log)
+    t_cfg, c_cfg = cfg.train, cfg.checkpoint
+    ckpt_dir = out_dir / "checkpoints"
+    data_dir = ensure_prepared(cfg, dist, log)
     train_data = PretrainData(data_dir, "train")
-    r.index = index = train_data.index
+    index = train_data.index
     seed = t_cfg.seed
     _seed_all(seed)                                   # identical initial weights on every rank
-    r.model = model = build_model(cfg, index, dist.device)
-    r.num_params = model.num_parameters()             # before ZeRO-3 partitions the parameters
+    model = build_model(cfg, index, dist.device)
+    num_params = model.num_parameters()               # before ZeRO-3 partitions the parameters
     if det is not None:
         for problem in determinism.check_ops(model.config.kernels):
             log.print(f"[fastbert] WARNING: deterministic mode, but this op is not deterministic yet: {problem}")
     ds_json = load_ds_config(t_cfg.deepspeed)
     zero_stage = resolve_zero_stage(t_cfg.zero_stage, ds_json, dist.world_size,
-                                    saved_zero_stage(r.ckpt_dir, c_cfg.resume))
+                                    saved_zero_stage(ckpt_dir, c_cfg.resume))
     if zero_stage is not None:
         ds_json["zero_optimization"] = dict(ds_json.get("zero_optimization", {}), stage=int(zero_stage))
-    resume_tag, ds_config = choose_resume(c_cfg.resume, r.ckpt_dir, dist, ds_json, log,
+    resume_tag, ds_config = choose_resume(c_cfg.resume, ckpt_dir, dist, ds_json, log,
                                           signature=model_signature(model))
-    r.engine = engine = build_engine(model, ds_config, optimizer=t_cfg.optimizer,
-                                     micro_batch_size=t_cfg.micro_batch_size,
-                                     global_batch_size=t_cfg.global_batch_size, precision=t_cfg.precision,
-                                     gradient_clipping=t_cfg.gradient_clipping,
-                                     zero_stage=zero_stage,
-                                     dist=dist)
+    engine = build_engine(model, ds_config, optimizer=t_cfg.optimizer, micro_batch_size=t_cfg.micro_batch_size,
+                          global_batch_size=t_cfg.global_batch_size, precision=t_cfg.precision,
+                          gradient_clipping=t_cfg.gradient_clipping, zero_stage=zero_stage, dist=dist)
     graphs_off = engine.enable_cuda_graphs(t_cfg.cuda_graphs)
     if graphs_off is not None and dist.device.type == "cuda":
         log.print(f"[fastbert] CUDA graphs: {graphs_off}; running eagerly")
-    r.guard = guard = SpikeGuard(as_dict(cfg.guard), dist.rank, dist.device)
+    guard = SpikeGuard(as_dict(cfg.guard), dist.rank, dist.device)
     install_guard(engine, guard)
     _seed_all(seed + 1000 * (dist.rank + 1))          # per-rank dropout streams
     if dist.is_main:
         atomic_write_text(out_dir / "config.json", json.dumps(cfg.to_dict(), indent=1) + "\n")
         atomic_write_text(out_dir / "ds_config.json", json.dumps(engine.ds_config, indent=1) + "\n")
 
-    # Schedule: wall-clock budget (LR follows time) or steps.
-    lr = float(t_cfg.optimizer["lr"])
-    max_steps = t_cfg.max_steps
-    if t_cfg.time_budget_s is not None:
-        schedule = TimeBudgetSchedule(lr, t_cfg.time_budget_s, t_cfg.warmup, t_cfg.schedule,
-                                      clock=make_clock(t_cfg.clock, dist.rank),
-                                      all_reduce_max=torch_all_reduce_max(dist.device), max_steps=max_steps)
-    else:
-        schedule = StepSchedule(lr, max_steps, t_cfg.warmup, t_cfg.schedule)
-    r.schedule = schedule
-
-    mk = dict(**as_dict(d_cfg.masking), device=dist.device, index=index)
-    r.collator = collator = collator_for(data_dir, seed=seed * 7919 + dist.rank, **mk)
+    mk = dict(**as_dict(cfg.data.masking), device=dist.device, index=index)
+    schedule = build_schedule(t_cfg, dist)
+    collator = collator_for(data_dir, seed=seed * 7919 + dist.rank, **mk)
     eval_collator = collator_for(data_dir, seed=seed * 7919 + 104729 + dist.rank, **mk)
-    eval_state = eval_collator.state_dict()
-
+    r = Run(cfg, dist, out_dir, log, pre, det, data_dir=data_dir, index=index, train_data=train_data, model=model,
+            num_params=num_params, engine=engine, guard=guard, schedule=schedule, collator=collator,
+            eval_collator=eval_collator, eval_state=eval_collator.state_dict(), resume_tag=resume_tag)
     # Resume (the tag was chosen before the engine was built: another rank count needs the universal format).
     if resume_tag is not None:
         client, match = r.load(resume_tag)
-        schedule.load_state_dict(client["schedule"])
+        r.schedule.load_state_dict(client["schedule"])
         log.log("resume", engine.global_steps, tag=resume_tag, world_size=dist.world_size, data_skip=r.data_skip,
                 weights_match=match)
-        log.print(f"[fastbert] resuming from step {engine.global_steps} ({r.ckpt_dir / resume_tag})")
-    start_step = engine.global_steps
+        log.print(f"[fastbert] resuming from step {engine.global_steps} ({ckpt_dir / resume_tag})")
+    r.start_step = engine.global_steps
+    r.loader = build_loader(r)
+    r.val_batches = build_val_batches(r)
+    return r
 
-    # Static shapes: rows of seq_len tokens, several sequences a row when packing (data/static_batch.py).
+
+def build_schedule(t_cfg, dist: DistInfo) -> Schedule:
+    """A wall-clock budget (the LR follows time; max_steps, when set, caps the steps) or a step budget."""
+    lr = float(t_cfg.optimizer["lr"])
+    if t_cfg.time_budget_s is not None:
+        return TimeBudgetSchedule(lr, t_cfg.time_budget_s, t_cfg.warmup, t_cfg.schedule,
+                                  clock=make_clock(t_cfg.clock, dist.rank),
+                                  all_reduce_max=torch_all_reduce_max(dist.device), max_steps=t_cfg.max_steps)
+    return StepSchedule(lr, t_cfg.max_steps, t_cfg.warmup, t_cfg.schedule)
+
+
+def build_loader(r: Run):
+    """Static shapes: rows of seq_len tokens, several sequences a row when packing (data/static_batch.py),
+    from the data position of step ``r.start_step``."""
+    from fastbert.data.pretrain_dataset import GlobalOrder, PackedOrder, PretrainLoader
+    d_cfg, engine, seed, train_data = r.cfg.data, r.engine, r.cfg.train.seed, r.train_data
     per_row = d_cfg.sequences_per_row
     if d_cfg.packing == "pack":               # "pack" | "none", checked at load (config_keys.py)
         order = PackedOrder(train_data.lengths(), engine.global_batch_size, seed, train_data.seq_len, per_row)
     else:
         order = GlobalOrder(len(train_data), engine.global_batch_size, seed)
-    loader = PretrainLoader(train_data, order, rank=dist.rank, world=dist.world_size,
-                            micro_batch=engine.micro_batch_size, grad_accum=engine.grad_accum,
-                            start_step=start_step + r.data_skip, prefetch=d_cfg.prefetch,
-                            pin=dist.device.type == "cuda", per_row=per_row)
-    e_cfg = cfg.eval
+    return PretrainLoader(train_data, order, rank=r.dist.rank, world=r.dist.world_size,
+                          micro_batch=engine.micro_batch_size, grad_accum=engine.grad_accum,
+                          start_step=r.start_step + r.data_skip, prefetch=d_cfg.prefetch,
+                          pin=r.dist.device.type == "cuda", per_row=per_row)
+
+
+def build_val_batches(r: Run) -> list:
+    """This rank's held-out batches (empty: evaluation is off)."""
+    from fastbert.data.pretrain_dataset import PretrainData, eval_batches
+    e_cfg, log = r.cfg.eval, r.log
     val_batches = []
     try:
-        val_data = PretrainData(data_dir, "val")
+        val_data = PretrainData(r.data_dir, "val")
         if len(val_data):
-            val_batches = eval_batches(val_data, rank=dist.rank, world=dist.world_size,
-                                       micro_batch=e_cfg.micro_batch_size or engine.micro_batch_size,
-                                       max_batches=e_cfg.batches, per_row=per_row)
+            val_batches = eval_batches(val_data, rank=r.dist.rank, world=r.dist.world_size,
+                                       micro_batch=e_cfg.micro_batch_size or r.engine.micro_batch_size,
+                                       max_batches=e_cfg.batches, per_row=r.cfg.data.sequences_per_row)
     except Exception as e:  # a missing split is reported, not fatal
         log.print(f"[fastbert] no evaluation: {e}")
     if not val_batches:
         log.print("[fastbert] the validation split is empty or smaller than one eval round: evaluation is off")
+    return val_batches
 
+
+def train(r: Run) -> dict:
+    """The step loop from ``r.start_step`` until the budget is spent or a signal stops it, then the
+    tear-down (``_finish``); returns the summary."""
+    cfg, dist, log, engine, guard, schedule, model = r.cfg, r.dist, r.log, r.engine, r.guard, r.schedule, r.model
+    collator, loader, val_batches, eval_collator, eval_state = (r.collator, r.loader, r.val_batches, r.eval_collator,
+                                                               r.eval_state)
+    index, train_data, det, pre = r.index, r.train_data, r.det, r.pre
+    e_cfg, c_cfg, max_steps, start_step = cfg.eval, cfg.checkpoint, cfg.train.max_steps, r.start_step
+    per_row = cfg.data.sequences_per_row
     mc = model.config
     avg_len = index["splits"]["train"]["num_tokens"] / max(1, index["splits"]["train"]["num_sequences"])
     peak = peak_tflops(dist.device, cfg.log.peak_tflops)
@@ -486,13 +534,20 @@ def _run(cfg: PretrainConfig, dist: DistInfo, out_dir: Path, log: MetricsLogger,
         stop.remove()
     if window_steps:
         r.train_s += time.perf_counter() - window_t0
-    final_step = engine.global_steps
     if stopped:
-        return _stopped(r, stop, final_step)
-    if final_step == start_step and resume_tag is not None:
+        return _stopped(r, stop, engine.global_steps)
+    return _finish(r, last_ckpt_step)
+
+
+def _finish(r: Run, last_ckpt_step: int) -> dict:
+    """After the last step: final evaluation, checkpoint, HF export, manifest and summary."""
+    cfg, log, engine, guard, out_dir = r.cfg, r.log, r.engine, r.guard, r.out_dir
+    e_cfg, c_cfg = cfg.eval, cfg.checkpoint
+    final_step = engine.global_steps
+    if final_step == r.start_step and r.resume_tag is not None:
         _say_budget_spent(r, final_step)
-    if val_batches and e_cfg.at_end:
-        r.last_eval = evaluate(engine, val_batches, eval_collator, eval_state)
+    if r.val_batches and e_cfg.at_end:
+        r.last_eval = evaluate(engine, r.val_batches, r.eval_collator, r.eval_state)
         log.log("eval", final_step, final=True, **r.last_eval)
         log.print(f"[eval] final step {final_step} | " + " | ".join(f"{k} {v:.4f}" for k, v in r.last_eval.items()))
     tag = None
@@ -506,16 +561,16 @@ def _run(cfg: PretrainConfig, dist: DistInfo, out_dir: Path, log: MetricsLogger,
         log.print(f"[fastbert] HF checkpoint: {hf_dir}")
     summary = {"steps": final_step, "skipped_steps": engine.skipped_steps, "guard_skipped": guard.skipped_total,
                "rollbacks": guard.rollbacks, "eval": r.last_eval, "train": r.train_metrics,
-               "hf_dir": str(hf_dir) if hf_dir else None, "elapsed_s": schedule.info().get("elapsed_s"),
+               "hf_dir": str(hf_dir) if hf_dir else None, "elapsed_s": r.schedule.info().get("elapsed_s"),
                "train_s": r.train_s}
     log.log("done", final_step, **{k: v for k, v in summary.items() if k != "train"})
-    if dist.is_main:
+    if r.dist.is_main:
         write_manifest(out_dir / "manifest.json", r.manifest(final_step, final=True))
         atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=1) + "\n")
     return summary
 
 
-def _stopped(r: _Run, stop: StopRequest, step: int) -> dict:
+def _stopped(r: Run, stop: StopRequest, step: int) -> dict:
     """The summary of a run stopped by a signal after its checkpoint at ``step``."""
     tag = ckpt.find_latest(r.ckpt_dir)
     r.log.log("interrupted", step, signal=int(stop.signum), checkpoint=tag)
@@ -526,7 +581,7 @@ def _stopped(r: _Run, stop: StopRequest, step: int) -> dict:
     return summary
 
 
-def _say_budget_spent(r: _Run, step: int) -> None:
+def _say_budget_spent(r: Run, step: int) -> None:
     """A resumed run with nothing left to train says so, and how to train longer."""
     t = r.cfg.train
     if r.schedule.spent(step) == "train.time_budget":
@@ -539,7 +594,7 @@ def _say_budget_spent(r: _Run, step: int) -> None:
                 "checkpoint.resume=never (or another output_dir)")
 
 
-def _export_hf(r: _Run, tag: Optional[str]) -> Path:
+def _export_hf(r: Run, tag: Optional[str]) -> Path:
     """OUTPUT_DIR/hf: the final checkpoint's hf/ folder when it has one, else consolidated now."""
     target = r.out_dir / "hf"
     if r.dist.is_main:
