@@ -49,6 +49,9 @@ class BertConfig:
     # HF's field; only "absolute" is implemented (relative_key / relative_key_query are refused).
     position_embedding_type: str = "absolute"
     prenorm: bool = False
+    # "torch" | "triton", or "auto" (or None): resolved when the config is made or validated, by the one
+    # rule fastbert.ops.resolve_kernels (no device known here: triton when CUDA is available). Callers
+    # that know the model's device resolve against it first (fastbert pretrain's model.kernels).
     kernels: str = "torch"
     # BertForPreTraining / BertForMaskedLM with labels: False (HF's outputs) also returns the dense
     # (batch, seq, vocab) logits; True returns only the sparse MLM loss (never the full logits), the
@@ -78,8 +81,11 @@ class BertConfig:
                 f"({self.num_attention_heads}); pick a head count that divides it (e.g. hidden_size // 64)")
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"BertConfig.hidden_act={self.hidden_act!r} is not supported; use one of {ACTIVATIONS}")
+        if self.kernels in (None, "auto"):
+            from fastbert.ops import resolve_kernels
+            self.kernels = resolve_kernels(self.kernels)
         if self.kernels not in KERNELS:
-            raise ConfigError(f"BertConfig.kernels={self.kernels!r} is not known; use one of {KERNELS}")
+            raise ConfigError(f"BertConfig.kernels={self.kernels!r} is not known; use 'auto' or one of {KERNELS}")
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:

@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+from fastbert.commands import add_kernels_argument
+
 
 def add_parser(sub):
     p = sub.add_parser("attention", help="attention maps per layer and head, PNG grid, most-attended tokens",
@@ -18,7 +20,7 @@ def add_parser(sub):
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--max-seq-len", type=int, default=128)
     p.add_argument("--no-png", action="store_true", help="skip the PNG grid")
-    p.add_argument("--kernels", choices=("torch", "triton"), default=None)
+    add_kernels_argument(p)
     p.add_argument("--device", default=None)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import sys
 
+from fastbert.commands import add_kernels_argument
+
 
 def add_parser(sub):
     p = sub.add_parser("cluster", help="k-means clustering of sentence embeddings",
@@ -22,7 +24,7 @@ def add_parser(sub):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-length", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--kernels", choices=("torch", "triton"), default=None)
+    add_kernels_argument(p)
     p.add_argument("--device", default=None)
 
 

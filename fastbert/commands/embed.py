@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+from fastbert.commands import add_kernels_argument
+
 
 def add_parser(sub):
     p = sub.add_parser("embed", help="sentence embeddings for every line of a corpus + top-k semantic search",
@@ -17,8 +19,7 @@ def add_parser(sub):
     p.add_argument("--max-lines", type=int, default=None, help="embed at most this many lines")
     p.add_argument("--max-length", type=int, default=256, help="token limit per line (default 256)")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--kernels", choices=("torch", "triton"), default=None,
-                   help="kernel path (default: triton on CUDA, torch otherwise)")
+    add_kernels_argument(p)
     p.add_argument("--device", default=None, help="torch device (default: cuda if available)")
     p.add_argument("--save", default=None, help="write the embeddings to this .npy file")
     p.add_argument("--json", action="store_true", help="print results as JSON")

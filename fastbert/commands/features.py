@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+from fastbert.commands import add_kernels_argument
+
 
 def add_parser(sub):
     p = sub.add_parser("features", help="extract hidden-state features (any layer, sum/concat of the last 4)",
@@ -30,7 +32,7 @@ def add_parser(sub):
                    help="none: per token; mean: over real tokens; cls: the [CLS] vector (default none)")
     p.add_argument("--max-seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--kernels", choices=("torch", "triton"), default=None)
+    add_kernels_argument(p)
     p.add_argument("--device", default=None)
 
 

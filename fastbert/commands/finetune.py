@@ -5,6 +5,8 @@ import json
 import os
 import sys
 
+from fastbert.commands import add_kernels_argument
+
 EPILOG = """\
 tasks and --data:
   cola sst2 mrpc stsb qqp mnli qnli rte wnli
@@ -54,8 +56,7 @@ def add_parser(sub):
     p.add_argument("--max-eval-samples", type=int, default=None, help="use only the first N dev examples")
     p.add_argument("--freeze-encoder", action="store_true",
                    help="feature-based: train only the task head on frozen BERT features")
-    p.add_argument("--kernels", choices=("torch", "triton"), default=None,
-                   help="kernel path (default: triton on CUDA, torch otherwise)")
+    add_kernels_argument(p)
     p.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
                    help="auto = bf16 on CUDA, fp32 on the CPU")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2), help="DeepSpeed ZeRO stage (default 0)")

@@ -61,7 +61,8 @@ def run(args) -> int:
         else:
             raise UsageError(str(e)) from None
     if args.show_config:
-        print(describe(cfg if (args.config or overrides) else None, source=args.config or "overrides"))
+        print(describe(cfg.to_dict() if cfg is not None and (args.config or overrides) else None,
+                       source=args.config or "overrides"))
         return 0
 
     from fastbert.training.interrupt import terminate_as_interrupt

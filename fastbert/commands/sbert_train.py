@@ -5,6 +5,8 @@ import json
 import os
 import sys
 
+from fastbert.commands import add_kernels_argument
+
 
 def add_parser(sub):
     p = sub.add_parser("sbert-train", help="train Sentence-BERT embeddings (siamese BERT, mean pooling)",
@@ -31,7 +33,7 @@ def add_parser(sub):
                    help="regression: divide scores by this (default: the largest training score if > 1, e.g. 5 for STS-B)")
     p.add_argument("--max-train-samples", type=int, default=None)
     p.add_argument("--max-eval-samples", type=int, default=None)
-    p.add_argument("--kernels", choices=("torch", "triton"), default=None)
+    add_kernels_argument(p)
     p.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=_suppress())
 

@@ -9,7 +9,6 @@ import torch
 
 from fastbert.training.engine import TrainEngine, all_reduce_sum, to_device
 from fastbert.training.logging import train_flops_per_sequence
-from fastbert.training.schedules import TimeBudgetSchedule
 
 
 class Accumulator:
@@ -107,21 +106,6 @@ def evaluate(engine: TrainEngine, batches: list, collator, collator_state: dict)
     if nsp_n:
         result["nsp_acc"] = nsp_c / nsp_n
     return result
-
-
-def schedule_info(schedule) -> dict:
-    if isinstance(schedule, TimeBudgetSchedule):
-        return {"elapsed_s": schedule.elapsed, "budget_s": schedule.budget_s}
-    return {}
-
-
-def eta(schedule, max_steps, done_steps, step_time) -> float:
-    if isinstance(schedule, TimeBudgetSchedule):
-        left = schedule.remaining_s()
-        if max_steps is not None:
-            left = min(left, (max_steps - done_steps) * step_time)
-        return left
-    return (schedule.total_steps - done_steps) * step_time
 
 
 def train_metrics(s: dict, engine: TrainEngine, lr: float, steps: int, dt: float, mc, avg_len, peak) -> dict:

@@ -29,19 +29,19 @@ SENTENCES = [                    # written for this report: in no corpus the dem
 ]
 
 
-def final_report(cfg: dict, summary: dict) -> list[str]:
+def final_report(cfg, summary: dict) -> list[str]:
     """Lines to print after ``final: ...`` (rank 0). Writes the loss curve; never raises for a plot."""
     lines = []
     ev = summary.get("eval") or {}
     if "mlm_acc" in ev:
-        lines.append(expected_line(cfg["model"]["preset"], int(summary["steps"]), float(ev["mlm_acc"]),
-                                   cfg["train"]))
+        lines.append(expected_line(cfg.model.preset, int(summary["steps"]), float(ev["mlm_acc"]),
+                                   {"time_budget": cfg.train.time_budget}))
     if summary.get("hf_dir"):
         try:
             lines += fill_mask_lines(Path(summary["hf_dir"]))
         except Exception as e:      # a report line must not fail a finished run
             lines.append(f"(no fill-mask examples: {e.__class__.__name__}: {e})")
-    out_dir = Path(cfg["output_dir"])
+    out_dir = Path(cfg.output_dir)
     try:
         png = write_loss_curve(out_dir / "metrics.jsonl", out_dir / "loss_curve.png")
         if png:

@@ -10,6 +10,13 @@ academic-budget recipe: warmup 6% of the time budget, decay to 0 when it runs ou
   agreed across ranks by an all-reduce (MAX) at every optimizer step so every rank uses the SAME
   learning rate and stops at the same step, and carried over a resume through ``state_dict``.
 
+Both have one interface, which the training loop uses without asking which one it has::
+
+    schedule.start()                  # once, when all ranks are ready (after any resume)
+    lr = schedule.tick(step)          # once per optimizer step, just before it
+    if schedule.done(step): stop      # the budget is used up (a time budget also stops at max_steps)
+    schedule.info(), schedule.eta(done_steps, seconds_per_step), schedule.spent(step)
+
 The clock is injectable: ``MonotonicClock`` in real runs; ``FakeClock`` in tests (advances a fixed
 tick per reading, optionally faster on higher ranks to exercise the cross-rank agreement).
 """
@@ -94,7 +101,45 @@ SHAPES = {"linear": warmup_linear_decay, "constant": warmup_constant}
 
 
 # ---------------------------------------------------------------------------------------- schedules
-class StepSchedule:
+class Schedule:
+    """What the training loop asks of a schedule (see the module docstring)."""
+
+    kind: str
+
+    def start(self) -> None:
+        """Training starts (or resumes) now."""
+
+    def tick(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (0-based); called once per step, before it."""
+        raise NotImplementedError
+
+    def done(self, step: int) -> bool:
+        """True once the budget is used up, with ``step`` optimizer steps taken."""
+        raise NotImplementedError
+
+    def progress(self, step: int) -> float:
+        raise NotImplementedError
+
+    def info(self) -> dict:
+        """Fields for the metrics log line (empty when the step count says it all)."""
+        return {}
+
+    def eta(self, done_steps: int, step_time: float) -> float:
+        """Seconds left, at ``step_time`` seconds per step."""
+        raise NotImplementedError
+
+    def spent(self, step: int) -> str:
+        """The config key of the budget that ran out (``train.max_steps`` or ``train.time_budget``)."""
+        return "train.max_steps"
+
+    def state_dict(self) -> dict:
+        return {"kind": self.kind}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class StepSchedule(Schedule):
     """Warmup + decay over ``total_steps`` optimizer steps."""
 
     kind = "steps"
@@ -105,8 +150,8 @@ class StepSchedule:
         _check(peak_lr, warmup, shape)
         self.peak_lr, self.total_steps, self.warmup, self.shape = peak_lr, total_steps, warmup, shape
 
-    def start(self) -> None:
-        pass
+    def tick(self, step: int) -> float:
+        return self.lr(step)
 
     def lr(self, step: int) -> float:
         """Learning rate of optimizer step ``step`` (0-based)."""
@@ -119,33 +164,33 @@ class StepSchedule:
         """True once ``step`` optimizer steps have been taken and the budget is used up."""
         return step >= self.total_steps
 
-    def state_dict(self) -> dict:
-        return {"kind": self.kind}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
+    def eta(self, done_steps: int, step_time: float) -> float:
+        return (self.total_steps - done_steps) * step_time
 
 
-class TimeBudgetSchedule:
+class TimeBudgetSchedule(Schedule):
     """Warmup + decay over a wall-clock budget of ``budget_s`` seconds of training.
 
     Call ``start()`` once all ranks are ready (after any resume), then ``tick()`` exactly once per
     optimizer step, just before it: it reads the clock, agrees on the elapsed time across ranks
     (MAX, so the slowest view of time wins and nobody overruns), and returns the learning rate for
     that step. ``elapsed`` survives a resume through ``state_dict`` (time between a crash and the
-    restart is not counted: the budget measures training time).
+    restart is not counted: the budget measures training time). ``max_steps``, when set, is a hard cap
+    on the steps as well.
     """
 
     kind = "time"
 
     def __init__(self, peak_lr: float, budget_s: float, warmup: float = 0.06, shape: str = "linear",
-                 clock: Optional[Callable[[], float]] = None, all_reduce_max: Optional[Callable] = None):
+                 clock: Optional[Callable[[], float]] = None, all_reduce_max: Optional[Callable] = None,
+                 max_steps: Optional[int] = None):
         if not budget_s > 0:
             raise ValueError(f"time budget must be > 0 seconds, got {budget_s}")
         _check(peak_lr, warmup, shape)
         self.peak_lr, self.budget_s, self.warmup, self.shape = peak_lr, float(budget_s), warmup, shape
         self.clock = clock or MonotonicClock()
         self.all_reduce_max = all_reduce_max
+        self.max_steps = max_steps
         self.offset = 0.0     # elapsed seconds carried over from before a resume
         self.t0: Optional[float] = None
         self.elapsed = 0.0    # last agreed elapsed time
@@ -173,10 +218,22 @@ class TimeBudgetSchedule:
         return min(1.0, self.elapsed / self.budget_s)
 
     def done(self, step: int) -> bool:
-        return self.elapsed >= self.budget_s
+        return self.elapsed >= self.budget_s or (self.max_steps is not None and step >= self.max_steps)
+
+    def spent(self, step: int) -> str:
+        return "train.time_budget" if self.elapsed >= self.budget_s else "train.max_steps"
 
     def remaining_s(self) -> float:
         return max(0.0, self.budget_s - self.elapsed)
+
+    def info(self) -> dict:
+        return {"elapsed_s": self.elapsed, "budget_s": self.budget_s}
+
+    def eta(self, done_steps: int, step_time: float) -> float:
+        left = self.remaining_s()
+        if self.max_steps is not None:
+            left = min(left, (self.max_steps - done_steps) * step_time)
+        return left
 
     def state_dict(self) -> dict:
         return {"kind": self.kind, "elapsed": self.elapsed, "budget_s": self.budget_s}

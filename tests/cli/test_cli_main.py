@@ -12,6 +12,16 @@ def test_subcommands_are_registered():
     assert {"embed", "prepare", "pretrain", "tokenize", "vocab", "finetune"} <= names
 
 
+def test_kernels_flag_takes_the_training_config_choices():
+    """Every command with --kernels takes auto | torch | triton, as model.kernels and BertConfig do."""
+    choices = build_parser()._subparsers._group_actions[0].choices
+    with_flag = {name for name, p in choices.items() if any("--kernels" in a.option_strings for a in p._actions)}
+    assert {"finetune", "embed", "features", "attention", "cluster"} <= with_flag
+    for name in with_flag:
+        (flag,) = [a for a in choices[name]._actions if "--kernels" in a.option_strings]
+        assert tuple(flag.choices) == ("auto", "torch", "triton") and flag.default is None, name
+
+
 def test_deepspeed_local_rank_is_moved_to_the_environment(monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert _strip_launcher_local_rank(["--local_rank=3", "pretrain", "--config", "x"]) == ["pretrain", "--config", "x"]

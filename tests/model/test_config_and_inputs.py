@@ -50,6 +50,17 @@ def test_invalid_config(kwargs, match):
         fastbert.BertConfig(**kwargs)
 
 
+def test_kernels_auto_is_the_one_rule():
+    """BertConfig takes "auto" like the training config and resolves it by fastbert.ops.resolve_kernels."""
+    from fastbert.ops import resolve_kernels
+    expected = resolve_kernels("auto")
+    assert fastbert.BertConfig(kernels="auto").kernels == expected
+    assert fastbert.BertConfig.preset("tiny", kernels="auto").kernels == expected
+    assert fastbert.BertConfig(kernels="torch").replace(kernels="auto").kernels == expected
+    with pytest.raises(ConfigError, match="use 'auto' or one of"):
+        fastbert.BertConfig(kernels="cuda")
+
+
 def test_unsupported_hf_configs():
     with pytest.raises(ConfigError, match="position_embedding_type"):
         fastbert.BertConfig.from_dict({"position_embedding_type": "relative_key"})

@@ -19,7 +19,7 @@ def test_every_key_has_a_type_and_a_meaning_and_appears_in_the_listing():
     for key, default, typ, meaning in KEYS:
         assert typ and len(meaning.split()) >= 2, key
         assert f"\n{key} " in text, key
-    assert [k for k, _ in leaves(load_config(None, ["train.max_steps=1"]))] == [k for k, *_ in KEYS]
+    assert [k for k, _ in leaves(load_config(None, ["train.max_steps=1"]).to_dict())] == [k for k, *_ in KEYS]
 
 
 @pytest.mark.parametrize("path", sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*.json")
@@ -39,6 +39,11 @@ def test_shipped_configs_load(path, monkeypatch):
     ("model.overrides.hiden_size=8", "unknown BertConfig field(s) ['hiden_size']"),
     ("log.tensorboard=yes", "must be true or false"),
     ("train=3", "is a section, not a value"),
+    # rules across keys, checked by the sections at load
+    ("guard.min_history=60", "guard.min_history must be <= guard.window"),
+    ("dist.heartbeat_timeout_s=6", "must be at least twice dist.heartbeat_s"),
+    ("data.masking.random_prob=0.5", "mask_prob + random_prob must be <= 1"),
+    ("train.deepspeed=configs/nope.json", "is not a file"),
 ])
 def test_bad_values_are_rejected_at_load(override, message):
     with pytest.raises(ConfigError) as e:
@@ -73,3 +78,26 @@ def test_bad_value_is_a_usage_error_and_creates_nothing(tmp_path: Path):
 def test_guard_defaults_agree_with_the_guard():
     from fastbert.training.guard import DEFAULTS as GUARD
     assert {k[len("guard."):]: d for k, d, *_ in KEYS if k.startswith("guard.")} == GUARD
+
+
+def test_config_is_parsed_at_load_into_typed_sections():
+    from dataclasses import fields, is_dataclass
+
+    from fastbert.training.config import PretrainConfig, as_dict
+    from fastbert.training.preflight import DEFAULTS as DIST
+    cfg = load_config(REPO / "configs" / "tiny.json", ["train.max_steps=7", "data.masking.rate=0.2"])
+    assert isinstance(cfg, PretrainConfig) and all(is_dataclass(getattr(cfg, f.name)) for f in fields(cfg)
+                                                    if f.name != "output_dir")
+    assert cfg.train.time_budget == "3m" and cfg.train.time_budget_s == 180.0     # parsed once, at load
+    assert cfg.train.max_steps == 7 and cfg.data.masking.rate == 0.2 and cfg.model.preset == "tiny"
+    assert set(as_dict(cfg.dist)) == set(DIST)
+    from fastbert.training.guard import DEFAULTS as GUARD
+    assert as_dict(cfg.guard).keys() == GUARD.keys()
+
+
+def test_unknown_key_stops_the_command_before_anything_starts(tmp_path: Path):
+    out = tmp_path / "out"
+    res = _cli("--config", "configs/tiny.json", "train.time_budgit=5m", f"output_dir={out}")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "unknown config key 'train.time_budgit'" in res.stderr and "[fastbert]" not in res.stdout
+    assert not out.exists()

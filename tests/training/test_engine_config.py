@@ -60,15 +60,15 @@ def test_shipped_configs_are_consistent():
     from fastbert.training.config import load_config
     for name in ("tiny", "base", "academic-budget-large"):
         c = load_config(f"configs/{name}.json")
-        ds = json.load(open(c["train"]["deepspeed"]))
+        ds = json.load(open(c.train.deepspeed))
         assert "zero_optimization" in ds
     big = load_config("configs/academic-budget-large.json")
-    t = big["train"]
-    assert big["model"]["preset"] == "large" and big["model"]["prenorm"] is True
-    assert t["global_batch_size"] == 4096 and t["time_budget"] == "24h" and t["warmup"] == 0.06
-    assert t["optimizer"] == {"type": "adamw", "lr": 1e-3, "betas": [0.9, 0.98], "eps": 1e-6, "weight_decay": 0.01}
-    assert big["data"]["prepare"]["nsp"] is False and big["data"]["prepare"]["seq_len"] == 128
-    assert json.load(open(t["deepspeed"]))["zero_optimization"]["stage"] == 2
+    t = big.train
+    assert big.model.preset == "large" and big.model.prenorm is True
+    assert t.global_batch_size == 4096 and t.time_budget == "24h" and t.warmup == 0.06
+    assert t.optimizer == {"type": "adamw", "lr": 1e-3, "betas": [0.9, 0.98], "eps": 1e-6, "weight_decay": 0.01}
+    assert big.data.prepare.nsp is False and big.data.prepare.seq_len == 128
+    assert json.load(open(t.deepspeed))["zero_optimization"]["stage"] == 2
 
 
 def test_config_errors():
@@ -78,7 +78,7 @@ def test_config_errors():
     with pytest.raises(ConfigError, match="set a budget"):
         load_config("configs/tiny.json", ["train.time_budget=null"])
     c = load_config("configs/tiny.json", ["train.max_steps=5", "model.overrides.hidden_dropout_prob=0.0"])
-    assert c["train"]["max_steps"] == 5 and c["model"]["overrides"] == {"hidden_dropout_prob": 0.0}
+    assert c.train.max_steps == 5 and c.model.overrides == {"hidden_dropout_prob": 0.0}
 
 
 def test_param_groups_skip_decay_for_bias_and_layernorm():

@@ -67,3 +67,35 @@ def test_durations_and_clocks():
     assert c() == 1.0 and c() == 2.0
     with pytest.raises(ValueError):
         make_clock("sundial")
+
+
+def _drive(schedule, max_iterations=1000) -> list[float]:
+    """The training loop's use of a schedule, written once for every kind (as in training/pretrain.py)."""
+    schedule.start()
+    lrs = []
+    for step in range(max_iterations):
+        lr = schedule.tick(step)
+        if schedule.done(step):
+            break
+        lrs.append(lr)
+    return lrs
+
+
+def test_one_interface_for_step_and_time_budgets():
+    from fastbert.training.schedules import Schedule
+    steps = StepSchedule(1e-3, total_steps=10, warmup=0.1)
+    timed = TimeBudgetSchedule(1e-3, budget_s=20.0, warmup=0.1, clock=FakeClock(tick=2.0))
+    for s in (steps, timed):
+        assert isinstance(s, Schedule)
+    assert _drive(steps) == [steps.lr(k) for k in range(10)]
+    assert steps.info() == {} and steps.spent(10) == "train.max_steps"
+    assert steps.eta(done_steps=4, step_time=0.5) == 3.0
+    assert len(_drive(timed)) == 9                       # elapsed 2, 4, ..., 18 < 20
+    assert timed.info() == {"elapsed_s": 20.0, "budget_s": 20.0} and timed.spent(9) == "train.time_budget"
+    assert timed.eta(done_steps=9, step_time=1.0) == 0.0
+
+
+def test_time_budget_with_a_step_cap():
+    s = TimeBudgetSchedule(1e-3, budget_s=100.0, warmup=0.0, clock=FakeClock(tick=1.0), max_steps=5)
+    assert len(_drive(s)) == 5 and s.spent(5) == "train.max_steps"
+    assert s.eta(done_steps=3, step_time=2.0) == 4.0     # the cap comes before the time budget
