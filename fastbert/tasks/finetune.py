@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from fastbert.config import BertConfig
 from fastbert.data.glue import TASKS as GLUE_TASKS
 from fastbert.errors import DataError
 from fastbert.io import atomic_path, atomic_write_text
@@ -124,7 +125,9 @@ def run_finetune(task_name: str, data, model_dir, output: Optional[str] = None, 
     check_label_count(config, task.model_cls, kwargs.get("num_labels", 2), task.name)
 
     torch.manual_seed(args.seed)  # the new head's initialization
-    model = task.model_cls.from_pretrained(model_dir, kernels=kernels, **kwargs, **(model_overrides or {}))
+    # The kernels flag's whole path: resolved above, into the config here, get_ops(config.kernels) in the model.
+    model_config = BertConfig.from_pretrained(model_dir, kernels=kernels, **kwargs, **(model_overrides or {}))
+    model = task.model_cls.from_pretrained(model_dir, config=model_config)
     groups = param_groups(model, args.lr, args.head_lr, args.weight_decay, args.freeze_encoder)
     engine = build_finetune_engine(model, groups, args)
     is_main = engine.dist.is_main

@@ -93,14 +93,18 @@ def build_model(cfg: PretrainConfig, index: dict, device: torch.device):
     raise ValueError(f"model.head={head!r} is not known; use auto, pretraining or masked_lm")
 
 
-def resolve_zero_stage(stage, ds_config: dict, world_size: int, saved="fresh"):
+def resolve_zero_stage(stage, ds_config: dict, world_size: int, saved="fresh", state_bytes: Optional[int] = None,
+                       device_bytes: Optional[int] = None):
     """``train.zero_stage``: a number, None (the DeepSpeed JSON's stage) or "auto". ``saved``: the stage
     the checkpoint being resumed was written with ("fresh": no checkpoint; None: not recorded).
 
-    "auto" keeps a resumed run on its checkpoint's stage (the optimizer state's layout); a fresh run on
-    one rank gets ZeRO-0, where ZeRO-1/2 only add per-step work (H100, BERT-base: ZeRO-0 3,867 seq/s,
-    ZeRO-1 3,027, benchmarks/RESULTS.md), unless the JSON offloads or asks for ZeRO-3 (choices for
-    memory); otherwise the JSON's stage."""
+    "auto" keeps a resumed run on its checkpoint's stage (the optimizer state's layout). A fresh run gets
+    ZeRO-0, the fastest measured (BERT-base on H100s, benchmarks/RESULTS.md: ZeRO-0 / 1 / 2 at 4,652 /
+    1,948 / 1,716 seq/s on one GPU and 8,771 / 3,674 / 3,023 on two: ZeRO-1/2 only add per-step work and
+    turn CUDA graphs off), unless the JSON offloads or asks for ZeRO-3 (choices for memory), and, on
+    several ranks, only where the replicated training state fits: ``state_bytes`` (fp32 weights,
+    gradients and Adam moments) at most half of one device's ``device_bytes`` (unknown, as on CPU
+    ranks: the JSON's stage). Otherwise the JSON's stage."""
     if stage != "auto":
         return stage
     if saved != "fresh":
@@ -108,9 +112,10 @@ def resolve_zero_stage(stage, ds_config: dict, world_size: int, saved="fresh"):
     zero = ds_config.get("zero_optimization", {})
     offload = any((zero.get(k) or {}).get("device", "none") not in ("none", None)
                   for k in ("offload_optimizer", "offload_param"))
-    if world_size == 1 and not offload and zero.get("stage", 0) != 3:
-        return 0
-    return None
+    if offload or zero.get("stage", 0) == 3:
+        return None
+    fits = state_bytes is not None and device_bytes is not None and state_bytes <= device_bytes // 2
+    return 0 if world_size == 1 or fits else None
 
 
 def saved_zero_stage(ckpt_dir: Path, resume):
@@ -323,8 +328,10 @@ def setup(cfg: PretrainConfig, dist: DistInfo, out_dir: Path, log: MetricsLogger
         for problem in determinism.check_ops(model.config.kernels):
             log.print(f"[fastbert] WARNING: deterministic mode, but this op is not deterministic yet: {problem}")
     ds_json = load_ds_config(t_cfg.deepspeed)
+    device_bytes = torch.cuda.get_device_properties(dist.device).total_memory if dist.device.type == "cuda" else None
     zero_stage = resolve_zero_stage(t_cfg.zero_stage, ds_json, dist.world_size,
-                                    saved_zero_stage(ckpt_dir, c_cfg.resume))
+                                    saved_zero_stage(ckpt_dir, c_cfg.resume), state_bytes=16 * num_params,
+                                    device_bytes=device_bytes)
     if zero_stage is not None:
         ds_json["zero_optimization"] = dict(ds_json.get("zero_optimization", {}), stage=int(zero_stage))
     resume_tag, ds_config = choose_resume(c_cfg.resume, ckpt_dir, dist, ds_json, log,

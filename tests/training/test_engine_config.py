@@ -131,3 +131,21 @@ def test_retention_never_deletes_the_newest_good(tmp_path):
     assert find_latest(tmp_path) == "step_00000030"
     (tmp_path / "latest").write_text("step_00000040\n")   # points at an incomplete one: ignored
     assert find_latest(tmp_path) == "step_00000030"
+
+
+def test_zero_stage_auto_picks_zero0_where_the_replicated_state_fits():
+    """train.zero_stage=auto: ZeRO-0 (measured fastest on one and two GPUs) on one rank, and on several
+    where 16 bytes a parameter take at most half a device; the JSON's stage otherwise, a resumed run's
+    own stage, and never over an explicit offload or ZeRO-3."""
+    from fastbert.training.pretrain import resolve_zero_stage
+    z2 = {"zero_optimization": {"stage": 2}}
+    gib = 2 ** 30
+    assert resolve_zero_stage("auto", z2, 1) == 0
+    assert resolve_zero_stage("auto", z2, 2, state_bytes=16 * 110_000_000, device_bytes=80 * gib) == 0
+    assert resolve_zero_stage("auto", z2, 8, state_bytes=16 * 3_000_000_000, device_bytes=80 * gib) is None
+    assert resolve_zero_stage("auto", z2, 2) is None                       # device memory unknown (CPU ranks)
+    assert resolve_zero_stage("auto", z2, 2, saved=2, state_bytes=1, device_bytes=gib) == 2
+    assert resolve_zero_stage("auto", {"zero_optimization": {"stage": 3}}, 1) is None
+    offload = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert resolve_zero_stage("auto", offload, 2, state_bytes=1, device_bytes=gib) is None
+    assert resolve_zero_stage(1, z2, 1) == 1
