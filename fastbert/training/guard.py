@@ -97,10 +97,6 @@ class Verdict:
 REASONS = (None, "nonfinite_loss", "loss_spike", "nonfinite_grad_norm", "grad_norm_spike")  # device codes
 
 
-def _finite(x: Optional[float]) -> bool:
-    return x is not None and math.isfinite(x)
-
-
 def _median(window: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     """statistics.median of the first ``n`` values of ``window`` sorted with NaN last (NaN when n == 0)."""
     s = torch.sort(window).values
