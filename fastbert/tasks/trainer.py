@@ -170,9 +170,7 @@ def build_finetune_engine(model: torch.nn.Module, groups: list[dict], args: Trai
     ds_engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_view(cfg),
                                               dist_init_required=False)
     engine = TrainEngine(ds_engine, dist, cfg, spec, precision)
-    graphs_off = engine.enable_cuda_graphs(args.cuda_graphs)
-    if graphs_off is not None and dist.device.type == "cuda" and dist.is_main:
-        print(f"[fastbert] CUDA graphs: {graphs_off}; running eagerly", flush=True)
+    engine.enable_cuda_graphs(args.cuda_graphs, say=(lambda text: print(text, flush=True)) if dist.is_main else None)
     return engine
 
 

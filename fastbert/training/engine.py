@@ -25,7 +25,7 @@ import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -293,9 +293,10 @@ class TrainEngine:
         self._clipped = False                    # the guard clipped this step already (to read the norm)
         self.graphs = None                       # a GraphedModel once enable_cuda_graphs succeeded
 
-    def enable_cuda_graphs(self, enabled: bool = True) -> Optional[str]:
+    def enable_cuda_graphs(self, enabled: bool = True, say: Optional[Callable[[str], None]] = None) -> Optional[str]:
         """Replay static-shape (``packed=...``) training steps from CUDA graphs
-        (``training/cuda_graphs.py``). Returns None when on, else the one-line reason it is off."""
+        (``training/cuda_graphs.py``). Returns None when on, else the one-line reason it is off, which
+        ``say`` prints on a GPU (on the CPU eager is the only way, nothing to say)."""
         from fastbert.training.cuda_graphs import GraphedModel, unsupported_reason
         reason = "off (cuda_graphs=false)" if not enabled else \
             unsupported_reason(self.device, self.precision, self.zero_stage,
@@ -304,6 +305,8 @@ class TrainEngine:
         self.graphs = GraphedModel(self.module, self.precision) if reason is None else None
         if self.graphs is not None:
             self.graphs.activate()
+        elif say is not None and self.device.type == "cuda":
+            say(f"[fastbert] CUDA graphs: {reason}; running eagerly")
         return reason
 
     # -- forwarding ---------------------------------------------------------------------------

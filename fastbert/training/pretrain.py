@@ -339,9 +339,7 @@ def setup(cfg: PretrainConfig, dist: DistInfo, out_dir: Path, log: MetricsLogger
     engine = build_engine(model, ds_config, optimizer=t_cfg.optimizer, micro_batch_size=t_cfg.micro_batch_size,
                           global_batch_size=t_cfg.global_batch_size, precision=t_cfg.precision,
                           gradient_clipping=t_cfg.gradient_clipping, zero_stage=zero_stage, dist=dist)
-    graphs_off = engine.enable_cuda_graphs(t_cfg.cuda_graphs)
-    if graphs_off is not None and dist.device.type == "cuda":
-        log.print(f"[fastbert] CUDA graphs: {graphs_off}; running eagerly")
+    engine.enable_cuda_graphs(t_cfg.cuda_graphs, say=log.print)
     guard = SpikeGuard(as_dict(cfg.guard), dist.rank, dist.device)
     install_guard(engine, guard)
     _seed_all(seed + 1000 * (dist.rank + 1))          # per-rank dropout streams
