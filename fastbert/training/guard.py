@@ -97,12 +97,19 @@ class Verdict:
 REASONS = (None, "nonfinite_loss", "loss_spike", "nonfinite_grad_norm", "grad_norm_spike")  # device codes
 
 
-def _median(window: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """statistics.median of the first ``n`` values of ``window`` sorted with NaN last (NaN when n == 0)."""
-    s = torch.sort(window).values
-    last = window.numel() - 1
-    middle = torch.stack([(n - 1) // 2, n // 2]).clamp(0, last)     # gather, not s[t]: that reads t back
-    return s.gather(0, middle).mean()
+def _median(rows: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """Per row, statistics.median of its ``n`` non-NaN values (NaN sorts last; NaN when n == 0)."""
+    s = torch.sort(rows, dim=-1).values
+    middle = torch.stack([(n - 1) // 2, n // 2], dim=-1).clamp(0, rows.shape[-1] - 1)  # gather: s[t] reads t back
+    return s.gather(-1, middle).mean(-1)
+
+
+def _window_stats(history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per history row, on the device: how many values it holds, their median, and their median
+    absolute deviation."""
+    n = (~torch.isnan(history)).sum(-1)
+    mid = _median(history, n)
+    return n, mid, _median((history - mid[..., None]).abs(), n)
 
 
 @dataclass
@@ -194,6 +201,7 @@ class SpikeGuard:
         self._loss_t: Optional[torch.Tensor] = None      # this step's loss, on the device
         self._norm_t: Optional[torch.Tensor] = None      # this step's gradient norm, on the device
         self._code: Optional[torch.Tensor] = None        # this step's verdict (index into REASONS)
+        self._stats: Optional[tuple] = None              # _window_stats of the history this step is judged on
         self._hook_decided = False
 
     # ------------------------------------------------------------------------------ injection
@@ -232,11 +240,12 @@ class SpikeGuard:
             # The reduced gradients are final here: the engine clips now (one fused norm).
             norm = engine.clip_gradients() if getattr(engine, "clipping", 0) else _grad_norm_tensor(engine.module)
             self._norm_t = None if norm is None else norm.detach().to(torch.float64).reshape(())
+        self._stats = _window_stats(self._history)
         self._code = self._verdict()
 
     def _check(self, value: torch.Tensor, row: int, factor: float, nonfinite: int) -> torch.Tensor:
         """0, ``nonfinite`` or ``nonfinite + 1`` (spike) for one value against its history row."""
-        spike = self.threshold(row, factor) if factor and self.steps_seen >= self.warmup_steps else None
+        spike = self.threshold(row, factor, self._stats) if factor and self.steps_seen >= self.warmup_steps else None
         bad = torch.where(value > spike, nonfinite + 1, 0) if spike is not None else torch.zeros_like(value)
         return torch.where(torch.isfinite(value), bad, nonfinite).to(torch.int64)
 
@@ -246,16 +255,13 @@ class SpikeGuard:
             code = torch.where(code > 0, code, self._check(self._norm_t, 1, self.grad_norm_factor, 3))
         return code
 
-    def threshold(self, row: int, factor: float) -> torch.Tensor:
+    def threshold(self, row: int, factor: float, stats: Optional[tuple] = None) -> torch.Tensor:
         """The spike threshold of history ``row`` (0 loss, 1 grad norm), on the device: above factor x
         median and median + noise_sigmas x robust std; inf while the window holds fewer than
-        ``min_history`` values."""
-        window = self._history[row]
-        n = (~torch.isnan(window)).sum()
-        mid = _median(window, n)
-        robust_std = 1.4826 * _median((window - mid).abs(), n)
-        limit = torch.maximum(factor * mid, mid + self.noise_sigmas * robust_std)
-        return torch.where(n >= self.min_history, limit, math.inf)
+        ``min_history`` values. ``stats``: the history's ``_window_stats`` when already computed."""
+        n, mid, mad = (stats or _window_stats(self._history))
+        limit = torch.maximum(factor * mid[row], mid[row] + self.noise_sigmas * 1.4826 * mad[row])
+        return torch.where(n[row] >= self.min_history, limit, math.inf)
 
     def decide_in_optimizer(self, wrapper, inner: Optional[torch.optim.Optimizer] = None) -> bool:
         """Called by the guarded inner optimizer (once or per param group): True = skip the update now.
@@ -287,8 +293,7 @@ class SpikeGuard:
         nan = torch.full((), math.nan, dtype=torch.float64, device=self.device)
         loss = self._loss_t if self._loss_t is not None else nan
         norm = self._norm_t if self._norm_t is not None else nan
-        n = (~torch.isnan(self._history)).sum(1)
-        medians = [_median(self._history[row], n[row]) for row in (0, 1)]
+        medians = (self._stats or _window_stats(self._history))[1]     # of the history before this step
         values = torch.stack([code.double(), loss, medians[0], norm, medians[1]])
         ok = (code == 0).double() if applied else torch.zeros((), dtype=torch.float64, device=self.device)
         self.last_ok = ok

@@ -486,9 +486,10 @@ def train(r: Run) -> dict:
             if not last_micro:
                 continue
             done_steps = step + 1
+            eval_due_steps = _every(e_cfg.every_steps, done_steps)
+            ckpt_due_steps = _every(c_cfg.every_steps, done_steps)
             # The guard's verdicts reach the host a step late, except where the host needs them now.
-            settle = (done_steps % log_every == 0 or _every(e_cfg.every_steps, done_steps)
-                      or _every(c_cfg.every_steps, done_steps) or stop.requested)
+            settle = done_steps % log_every == 0 or eval_due_steps or ckpt_due_steps or stop.requested
             verdicts = guard.end_step(engine, step, data_step, settle=settle)
             acc.merge(step_acc, guard.last_ok)             # a skipped step's metrics weigh 0 (on the device)
             if guard_events(verdicts):
@@ -515,14 +516,14 @@ def train(r: Run) -> dict:
                 eval_due_time = ckpt_due_time = False
                 stop_due = dist.world_size == 1 and stop.requested      # one rank: no agreement needed
             # ---- evaluation
-            if val_batches and (eval_due_time or _every(e_cfg.every_steps, done_steps)):
+            if val_batches and (eval_due_time or eval_due_steps):
                 r.last_eval = evaluate(engine, val_batches, eval_collator, eval_state)
                 log.log("eval", done_steps, **r.last_eval)
                 log.print(f"[eval] step {done_steps} | " + " | ".join(f"{k} {v:.4f}" for k, v in r.last_eval.items()))
                 want_eval_at = _next_deadline(e_cfg.every_minutes)
                 window_t0 = time.perf_counter()
             # ---- checkpoint
-            if ckpt_due_time or _every(c_cfg.every_steps, done_steps):
+            if ckpt_due_time or ckpt_due_steps:
                 r.save(done_steps)
                 last_ckpt_step = done_steps
                 want_ckpt_at = _next_deadline(c_cfg.every_minutes)
