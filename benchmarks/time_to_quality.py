@@ -130,6 +130,13 @@ def evaluate(model, eval_set, autocast) -> dict:
     return {"mlm_loss": nll / count, "mlm_acc": correct / count}
 
 
+def autocast_for(device: torch.device):
+    """The autocast context every way trains and evaluates under: bf16 on a GPU, none on the CPU."""
+    if device.type == "cuda":
+        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+    return lambda: torch.autocast("cpu", enabled=False)
+
+
 def lr_at(step: int, total: int, peak: float, warmup: float) -> float:
     w = max(1, int(round(warmup * total)))
     return peak * (step + 1) / w if step < w else peak * max(0.0, (total - step) / max(1, total - w))
@@ -147,8 +154,7 @@ def pretrain_run(way: str, seed: int, args, data: SameBatches, eval_set, out: Pa
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01,
                             fused=fused)
     on_gpu = device.type == "cuda"
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if on_gpu else (lambda: torch.autocast(
-        "cpu", enabled=False))
+    autocast = autocast_for(device)
     curve = [{"step": 0, "seconds": 0.0, **evaluate(model, eval_set, autocast)}]
     torch.manual_seed(seed + 1)  # dropout stream
     train_s = 0.0
@@ -222,8 +228,7 @@ def pretrain_command_run(seed: int, args, eval_set, out: Path) -> dict:
     device = eval_set[0]["input_ids"].device
     model = fastbert.BertForMaskedLM.from_pretrained(run_dir / "hf").to(device)
     on_gpu = device.type == "cuda"
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if on_gpu else (lambda: torch.autocast(
-        "cpu", enabled=False))
+    autocast = autocast_for(device)
     final = {"step": summary["steps"], "seconds": summary["train_s"], **evaluate(model, eval_set, autocast),
              "eval_masks": "shared"}
     curve = [p for p in curve if p["step"] < final["step"]] + [final]
