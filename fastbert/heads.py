@@ -12,9 +12,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fastbert.config import BertConfig
+from fastbert.config import BertConfig, gelu_approximate
 from fastbert.model import (BertModel, BertPreTrainedModel, InputError, ModelOutput, _reject_unsupported,
-                            gelu_approx, padded_hidden_states)
+                            padded_hidden_states)
 from fastbert.ops.mlm_loss import mlm_transform_ref
 from fastbert.padding import pad
 from fastbert.padding_rows import at_position, label_positions, pooled_position, union
@@ -51,14 +51,14 @@ class BertLMPredictionHead(nn.Module):
     def logits(self, h):
         t = self.transform
         h = mlm_transform_ref(h, t.dense.weight, t.dense.bias, t.LayerNorm.weight, t.LayerNorm.bias,
-                              self.config.layer_norm_eps, gelu_approx(self.config))
+                              self.config.layer_norm_eps, gelu_approximate(self.config.hidden_act))
         return F.linear(h, self.decoder.weight, self.bias)
 
     def loss(self, ops, h, labels, positions=None):
         t = self.transform
         return ops.mlm_loss(h, labels, t.dense.weight, t.dense.bias, t.LayerNorm.weight, t.LayerNorm.bias,
-                            self.config.layer_norm_eps, self.decoder.weight, self.bias, gelu_approx(self.config),
-                            positions=positions)
+                            self.config.layer_norm_eps, self.decoder.weight, self.bias,
+                            gelu_approximate(self.config.hidden_act), positions=positions)
 
 
 class BertPreTrainingHeads(nn.Module):

@@ -120,9 +120,10 @@ class BertLayer(nn.Module):
         """``x``: ``(T, hidden)``, the real tokens then ``rows``' padding rows (if any)."""
         cfg = self.config
         p_attn, p = (cfg.attention_probs_dropout_prob, cfg.hidden_dropout_prob) if self.training else (0.0, 0.0)
-        return encoder_fn.layer(ops, x, self.weights(), cu_seqlens, max_seqlen, rows, activation=gelu_approx(cfg),
-                                softmax_scale=cfg.head_dim ** -0.5, dropout=LayerDropout(p_attn, p, p),
-                                prenorm=cfg.prenorm, output_attentions=output_attentions)
+        return encoder_fn.layer(ops, x, self.weights(), cu_seqlens, max_seqlen, rows,
+                                activation=gelu_approximate(cfg.hidden_act), softmax_scale=cfg.head_dim ** -0.5,
+                                dropout=LayerDropout(p_attn, p, p), prenorm=cfg.prenorm,
+                                output_attentions=output_attentions)
 
 
 class BertEncoder(nn.Module):
@@ -367,6 +368,3 @@ def mean_pool(last_hidden_state: torch.Tensor, attention_mask: torch.Tensor) -> 
     m = attention_mask.unsqueeze(-1).to(last_hidden_state.dtype)
     return (last_hidden_state * m).sum(1) / m.sum(1).clamp(min=1e-9)
 
-
-def gelu_approx(config: BertConfig) -> str:
-    return gelu_approximate(config.hidden_act)
