@@ -227,8 +227,9 @@ def bench_case(case) -> list[dict]:
 # ---------------------------------------------------------------------------------- launch-config sweep
 SWEEP_SHORT = {  # sequences <= 128
     "fwd": [(64, 32, 4, 3), (64, 64, 4, 3), (32, 32, 4, 3), (64, 32, 4, 2)],
-    "bwd128": [8, 4],  # num_warps of the fused short backward, per length bucket
-    "bwd64": [4, 8],
+    # (query chunk BLOCK_M, num_warps) of the fused short backward, per length bucket
+    "bwd128": [(64, 8), (32, 8), (64, 4), (32, 4), (128, 8)],
+    "bwd64": [(64, 4), (32, 4), (64, 8)],
 }
 SWEEP_LONG = {  # longer sequences: the two-kernel backward
     "fwd": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (128, 128, 8, 3), (64, 128, 4, 3)],
@@ -242,15 +243,15 @@ def _apply(kind, bucket, choice):
     if kind in ("fwd", "dq", "dkdv"):
         attn._GPU_CONFIGS[(kind, 64, bucket)] = choice
         return
-    attn._SHORT_BWD_WARPS[128 if kind == "bwd128" else 64] = choice
+    attn._SHORT_BWD_LAUNCH[128 if kind == "bwd128" else 64] = choice
 
 
 def _state():
-    return dict(attn._GPU_CONFIGS), dict(attn._SHORT_BWD_WARPS)
+    return dict(attn._GPU_CONFIGS), dict(attn._SHORT_BWD_LAUNCH)
 
 
 def _restore(state):
-    attn._GPU_CONFIGS, attn._SHORT_BWD_WARPS = (dict(x) for x in state)
+    attn._GPU_CONFIGS, attn._SHORT_BWD_LAUNCH = (dict(x) for x in state)
 
 
 def sweep(which: str) -> dict:
@@ -321,7 +322,7 @@ def main(argv=None) -> int:
     result["meta"] = dict(
         device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, dtype="bfloat16",
         configs={"/".join(map(str, k)): v for k, v in attn._GPU_CONFIGS.items()},
-        short_bwd=dict(max_seqlen=attn._SHORT_BWD_MAX, warps=attn._SHORT_BWD_WARPS))
+        short_bwd=dict(max_seqlen=attn._SHORT_BWD_MAX, chunk_and_warps=attn._SHORT_BWD_LAUNCH))
     print(json.dumps(result["meta"]), flush=True)
     for shape in shapes:
         for dist in dists:

@@ -18,6 +18,9 @@ Contenders per op:
   mlm   MLM head + loss at batch 128 x seq 128, 15% masked, vocab 30522: fastbert sparse fused |
         HF BertOnlyMLMHead on every token + CrossEntropyLoss (dense) | the same compiled |
         fastbert's sparse torch reference
+  fp8   the encoder's four linears: bf16 cuBLAS (autocast F.linear) | fastbert FP8 linear (delayed-scaling
+        casts + _scaled_mm), forward + backward; the cast alone (bytes: read 2, write 2 x 1 per element)
+        and the FP8 GEMM alone beside the bf16 GEMM
 """
 from __future__ import annotations
 
@@ -238,6 +241,63 @@ def bench_ffn(k, compile_):
     record("ffn", shape, "fwd+bwd", "fastbert", t, p, flops=3 * flops, eager_ms=t_e)
 
 
+# ----------------------------------------------------------------------------- FP8 linears
+def bench_fp8(h, compile_):
+    """The encoder's four linears at hidden ``h`` (QKV h->3h, attention output h->h, up h->4h, down 4h->h):
+    bf16 cuBLAS (F.linear) vs fastbert's FP8 linear (casts with delayed scaling + three _scaled_mm), forward
+    + backward; the FP8 GEMMs alone on pre-cast operands show what the casts cost."""
+    from fastbert.ops.fp8 import E4M3, AmaxHistory, cast_fp8, fp8_linear
+    g = gen(5)
+    m = TOKENS
+    for k, n in ((h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)):
+        shape = f"{m}x{k}->{n}"
+        act = DT if DEV == "cuda" else torch.float32   # bf16 activations under autocast; fp32 on the CPU smoke
+        x = randn(m, k, g=g).to(act)
+        w = randn(n, k, g=g, scale=k ** -0.5).float()   # fp32 master weights, as under autocast
+        b = randn(n, g=g, scale=0.1).float()
+        dy = randn(m, n, g=g, scale=1e-3).to(act)
+        history = AmaxHistory(3, DEV)
+        history.advance()
+
+        def fp8_fn(*a):
+            return fp8_linear(*a, history, 0)
+
+        def bf16_fn(xx, ww, bb):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=DEV == "cuda"):
+                return F.linear(xx, ww, bb)
+        outs = []
+        for fn, dt in ((fp8_fn, None), (F.linear, torch.float32)):
+            ins = leaves((x, w, b), dt)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=DEV == "cuda" and dt is None):
+                out = fn(*ins)
+            outs.append((out, torch.autograd.grad(out, ins, dy.to(out.dtype))))
+        for i, name in enumerate(("out", "dx", "dweight")):
+            a, r = (outs[0][0], outs[1][0]) if i == 0 else (outs[0][1][i - 1], outs[1][1][i - 1])
+            err = ((a.double() - r.double()).norm() / r.double().norm()).item()
+            bound = 0.06 if i == 0 else 0.11   # the format's rounding (tests/ops/test_fp8.py says why)
+            CHECKS.append(dict(check=f"fp8 {shape} {name}", err=err, torch_err=bound, ok=err <= bound))
+            print(f"check fp8 {shape} {name:<8} relative error {err:.4f} (bound {bound})", flush=True)
+        flops = 2 * m * n * k
+        ins = leaves((x, w, b))
+        t_e, p_e = timed(grad_fn(lambda: bf16_fn(*ins), ins, [dy]))
+        record("fp8", shape, "fwd+bwd", "bf16 cuBLAS (autocast F.linear)", t_e, p_e, flops=3 * flops, eager_ms=t_e)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=DEV == "cuda"):
+            t, p = timed(grad_fn(lambda: fp8_fn(*ins), ins, [dy]))
+        record("fp8", shape, "fwd+bwd", "fastbert fp8_linear", t, p, flops=3 * flops, eager_ms=t_e)
+        with torch.no_grad():
+            x8, x8t, sx, _ = cast_fp8(x, history, 0, E4M3)
+            w8, w8t, sw, _ = cast_fp8(w, history, 1, E4M3)
+            t, p = timed(lambda: cast_fp8(x, history, 0, E4M3))
+            record("fp8", shape, "cast x (+transpose, amax)", "fastbert", t, p, nbytes=x.numel() * 4, eager_ms=t)
+            if DEV == "cuda":
+                t, p = timed(lambda: torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=DT,
+                                                      use_fast_accum=True))
+                record("fp8", shape, "fwd GEMM alone", "_scaled_mm e4m3", t, p, flops=flops)
+                wb = w.to(DT)
+                t, p = timed(lambda: F.linear(x, wb))
+                record("fp8", shape, "fwd GEMM alone", "bf16 cuBLAS", t, p, flops=flops)
+
+
 # ----------------------------------------------------------------------------- embeddings
 def bench_emb(n, compile_):
     g = gen(2)
@@ -356,7 +416,7 @@ def print_table():
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ops", default="ln,ffn,emb,mlm", help="comma-separated subset of ln,ffn,emb,mlm")
+    ap.add_argument("--ops", default="ln,ffn,emb,mlm,fp8", help="comma-separated subset of ln,ffn,emb,mlm,fp8")
     ap.add_argument("--hidden", default=",".join(map(str, HIDDENS)), help="hidden sizes to sweep")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile contenders")
     ap.add_argument("--compile-hidden", default=None,
@@ -379,7 +439,7 @@ def main(argv=None):
     print(f"device: {name}  torch {torch.__version__}", flush=True)
     import triton
     print(f"triton {triton.__version__}", flush=True)
-    benches = {"ln": bench_ln, "ffn": bench_ffn, "emb": bench_emb, "mlm": bench_mlm}
+    benches = {"ln": bench_ln, "ffn": bench_ffn, "emb": bench_emb, "mlm": bench_mlm, "fp8": bench_fp8}
     for op in args.ops.split(","):
         for h in map(int, args.hidden.split(",")):
             compile_here = not args.no_compile and (

@@ -12,6 +12,8 @@ Parts:
                         schedule, its own data order and masks; its final model (the HF export) is
                         evaluated on the same held-out batches and masks as the others, its curve
                         between comes from its own evaluations (the same held-out split, other masks).
+            fb-pretrain-fp8  the same command with train.precision=fp8 (FP8 GEMMs; opt-in: --ways); the
+                        summary gives its final loss beside fb-pretrain's (issue 18: within +-0.02).
             --seeds seeds each (model init and dropout). MLM loss / accuracy on a fixed held-out set every
             --eval-every steps, training seconds per run (warm-up, tuning and graph capture included;
             evaluation left out); plots loss vs step and loss vs seconds. All use Post-LN: HF's BertModel
@@ -45,7 +47,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-WAYS = ("hf", "fb-torch", "fb-triton", "fb-pretrain")
+WAYS = ("hf", "fb-torch", "fb-triton", "fb-pretrain", "fb-pretrain-fp8")
+COMMAND_WAYS = {"fb-pretrain": "auto", "fb-pretrain-fp8": "fp8"}  # the command, by its train.precision
 BUDGET_SEQUENCES = 95e6  # 24hBERT (Izsak et al. 2021): ~23k steps x 4096 sequences of 128 tokens
 
 
@@ -193,19 +196,19 @@ def pretrain_run(way: str, seed: int, args, data: SameBatches, eval_set, out: Pa
     return res
 
 
-def pretrain_command_run(seed: int, args, eval_set, out: Path) -> dict:
-    """``fastbert pretrain`` (the command, in a child process) with the benchmark's recipe; its final HF
-    export evaluated on ``eval_set``."""
-    path = out / f"pretrain_fb-pretrain_seed{seed}.json"
+def pretrain_command_run(seed: int, args, eval_set, out: Path, way: str = "fb-pretrain") -> dict:
+    """``fastbert pretrain`` (the command, in a child process) with the benchmark's recipe and the way's
+    ``train.precision``; its final HF export evaluated on ``eval_set``."""
+    path = out / f"pretrain_{way}_seed{seed}.json"
     if path.is_file():
         return json.loads(path.read_text())
-    run_dir = out / f"fb-pretrain_seed{seed}"
+    run_dir = out / f"{way}_seed{seed}"
     cfg = {
         "output_dir": str(run_dir),
         "model": {"preset": args.preset, "head": "masked_lm", "prenorm": args.prenorm, "kernels": "auto"},
         "data": {"dir": str(args.data), "auto_prepare": False},
         "train": {"micro_batch_size": args.batch, "global_batch_size": args.batch, "max_steps": args.steps,
-                  "warmup": 0.06, "schedule": "linear", "gradient_clipping": 1.0, "precision": "auto",
+                  "warmup": 0.06, "schedule": "linear", "gradient_clipping": 1.0, "precision": COMMAND_WAYS[way],
                   "seed": seed, "optimizer": {"type": "adamw", "lr": args.lr, "betas": [0.9, 0.98], "eps": 1e-6,
                                               "weight_decay": 0.01}},
         "eval": {"every_steps": args.eval_every, "batches": args.eval_batches, "at_end": False},
@@ -214,10 +217,10 @@ def pretrain_command_run(seed: int, args, eval_set, out: Path) -> dict:
         "export": {"hf": True},
     }
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir.parent / f"fb-pretrain_seed{seed}.json").write_text(json.dumps(cfg, indent=1))
+    (run_dir.parent / f"{way}_seed{seed}.json").write_text(json.dumps(cfg, indent=1))
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "fastbert.cli", "pretrain", "--config",
-                    str(run_dir.parent / f"fb-pretrain_seed{seed}.json")], check=True)
+                    str(run_dir.parent / f"{way}_seed{seed}.json")], check=True)
     command_s = time.perf_counter() - t0
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     train_s = {r["step"]: r["train_s"] for r in records if r["event"] == "train"}
@@ -232,8 +235,8 @@ def pretrain_command_run(seed: int, args, eval_set, out: Path) -> dict:
     final = {"step": summary["steps"], "seconds": summary["train_s"], **evaluate(model, eval_set, autocast),
              "eval_masks": "shared"}
     curve = [p for p in curve if p["step"] < final["step"]] + [final]
-    print(f"[pretrain] fb-pretrain seed {seed}: {final} (command {command_s:.1f}s)", flush=True)
-    res = {"way": "fb-pretrain", "seed": seed, "preset": args.preset, "prenorm": args.prenorm, "steps": args.steps,
+    print(f"[pretrain] {way} seed {seed}: {final} (command {command_s:.1f}s)", flush=True)
+    res = {"way": way, "seed": seed, "preset": args.preset, "prenorm": args.prenorm, "steps": args.steps,
            "batch": args.batch, "lr": args.lr, "train_seconds": summary["train_s"], "command_seconds": command_s,
            "device": torch.cuda.get_device_name() if on_gpu else "cpu", "curve": curve, "config": cfg}
     from fastbert.io import atomic_write_text
@@ -245,7 +248,8 @@ def plot_curves(runs: list[dict], out: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    colors = {"hf": "tab:blue", "fb-torch": "tab:orange", "fb-triton": "tab:green", "fb-pretrain": "tab:red"}
+    colors = {"hf": "tab:blue", "fb-torch": "tab:orange", "fb-triton": "tab:green", "fb-pretrain": "tab:red",
+              "fb-pretrain-fp8": "tab:purple"}
     for xkey, name in (("step", "loss_vs_step.png"), ("seconds", "loss_vs_seconds.png")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for r in runs:
@@ -285,6 +289,11 @@ def agreement(runs: list[dict]) -> dict:
             # Issue 14's time-to-quality target: HF's final held-out loss (+-0.02) in <= 0.5x its seconds.
             v["reaches_hf_loss"] = v["final_mlm_loss"] <= table["hf"]["final_mlm_loss"] + 0.02
             v["time_to_quality_target_met"] = v["reaches_hf_loss"] and v["seconds_vs_hf"] <= 0.5
+    if "fb-pretrain" in table and "fb-pretrain-fp8" in table:  # FP8 against the same command in bf16
+        fp8, bf16 = table["fb-pretrain-fp8"], table["fb-pretrain"]
+        fp8["loss_diff_vs_bf16"] = fp8["final_mlm_loss"] - bf16["final_mlm_loss"]
+        fp8["within_0.02_of_bf16"] = abs(fp8["loss_diff_vs_bf16"]) <= 0.02
+        fp8["speedup_vs_bf16"] = bf16["train_seconds"] / fp8["train_seconds"]
     return table
 
 
@@ -292,7 +301,7 @@ def part_pretrain(args, out: Path) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     data = SameBatches(args.data, args.batch, seed=1234, device=device)
     eval_set = data.eval_set(args.eval_batches)
-    runs = [pretrain_command_run(seed, args, eval_set, out) if way == "fb-pretrain" else
+    runs = [pretrain_command_run(seed, args, eval_set, out, way) if way in COMMAND_WAYS else
             pretrain_run(way, seed, args, data, eval_set, out) for seed in args.seeds for way in args.ways]
     plot_curves(runs, out)
     summary = {"runs": [f"pretrain_{r['way']}_seed{r['seed']}.json" for r in runs], "agreement": agreement(runs),
@@ -392,7 +401,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1])
-    p.add_argument("--ways", type=lambda s: s.split(","), default=list(WAYS))
+    p.add_argument("--ways", type=lambda s: s.split(","), default=list(WAYS[:4]),
+                   help=f"comma-separated, of {','.join(WAYS)}")
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--glue", default=str(REPO.parent / "shared/data/glue"))

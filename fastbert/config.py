@@ -57,6 +57,10 @@ class BertConfig:
     # (batch, seq, vocab) logits; True returns only the sparse MLM loss (never the full logits), the
     # speed path `fastbert pretrain` sets. Runtime only: not written to config.json.
     sparse_prediction: bool = False
+    # True: in training forwards the encoder's linear layers run their GEMMs in FP8 with per-tensor
+    # delayed scaling (fastbert/ops/fp8.py; `fastbert pretrain train.precision=fp8` sets it); eval and
+    # no-grad forwards keep 16/32-bit GEMMs. Runtime only: not written to config.json.
+    fp8: bool = False
     # Task heads (HF fields of the same name).
     num_labels: int = 2
     problem_type: str | None = None
@@ -122,7 +126,7 @@ class BertConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "BertConfig":
         d = dict(d)
-        known = {f.name for f in fields(cls)} - {"extra", "sparse_prediction"}
+        known = {f.name for f in fields(cls)} - {"extra", "sparse_prediction", "fp8"}
         if "hidden_act" in d:
             act = d["hidden_act"]
             if act not in HF_ACTIVATIONS:

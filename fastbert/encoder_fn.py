@@ -15,6 +15,7 @@ from typing import Callable, NamedTuple, Union
 import torch
 import torch.nn.functional as F
 
+from fastbert.ops.fp8 import fp8_linear
 from fastbert.padding_rows import Rows, attention_maps_or_packed, with_padding_rows
 
 
@@ -45,6 +46,9 @@ class LayerWeights(NamedTuple):
     output_weight: torch.Tensor          # (hidden, intermediate)
     output_bias: torch.Tensor
     output_norm: LayerNormWeights        # Pre-LN: normalizes the residual stream before the FFN
+    # FP8 GEMMs (``ops/fp8.py``): the model's amax history and this layer's first row of it (three rows
+    # per linear: qkv, attention output, intermediate, output), or None for 16/32-bit GEMMs.
+    fp8: tuple | None = None
 
 
 class LayerDropout(NamedTuple):
@@ -72,23 +76,32 @@ def layer(ops, x, w: LayerWeights, cu_seqlens, max_seqlen: int, rows: Rows | Non
     nh = w.num_heads
     hd = w.qkv_weight.shape[0] // (3 * nh)  # spelled out: a batch may have no tokens at all
 
+    def linear(h, weight, bias, index):  # index: the linear's place in the layer (its FP8 history rows)
+        if w.fp8 is None:
+            return F.linear(h, weight, bias)
+        history, first = w.fp8
+        return fp8_linear(h, weight, bias, history, first + 3 * index)
+
     def attention(h):
         tokens = h.shape[0]
-        qkv = F.linear(h, w.qkv_weight, w.qkv_bias).view(tokens, 3, nh, hd)  # (T, 3, nh, hd)
+        qkv = linear(h, w.qkv_weight, w.qkv_bias, 0).view(tokens, 3, nh, hd)  # (T, 3, nh, hd)
         p = dropout.attention
         ctx = with_padding_rows(
             lambda t: ops.attention_qkvpacked(t, cu_seqlens, max_seqlen, dropout_p=p, softmax_scale=softmax_scale),
             qkv, rows, softmax_scale, p)  # (T, nh, hd)
         probs = (attention_maps_or_packed(qkv, rows, cu_seqlens, max_seqlen, softmax_scale)
                  if output_attentions else None)
-        return F.linear(ctx.reshape(tokens, nh * hd), w.attention_out_weight), probs  # bias: in the add + norm
+        return linear(ctx.reshape(tokens, nh * hd), w.attention_out_weight, None, 1), probs  # bias: in add + norm
 
     def ffn(h):  # the output bias is left to the caller
-        if isinstance(activation, str):
+        if w.fp8 is not None:
+            z = linear(h, w.intermediate_weight, w.intermediate_bias, 2)
+            h = F.gelu(z, approximate=activation) if isinstance(activation, str) else activation(z)
+        elif isinstance(activation, str):
             h = ops.linear_bias_gelu(h, w.intermediate_weight, w.intermediate_bias, approximate=activation)
         else:
             h = activation(F.linear(h, w.intermediate_weight, w.intermediate_bias))
-        return F.linear(h, w.output_weight)
+        return linear(h, w.output_weight, None, 3)
 
     def add_norm(y, residual, norm, y_bias, p, also_sum=False):  # also_sum: (normalized, residual sum)
         return ops.dropout_add_layer_norm(y, residual, norm.weight, norm.bias, norm.eps, x_bias=y_bias,

@@ -20,6 +20,7 @@ from fastbert import encoder_fn
 from fastbert.config import BertConfig, gelu_approximate
 from fastbert.encoder_fn import EmbeddingWeights, LayerDropout, LayerNormWeights, LayerWeights
 from fastbert.ops import get_ops
+from fastbert.ops.fp8 import AmaxHistory
 from fastbert.padding import pad, unpad_mask
 from fastbert.padding_rows import Rows, padding_need_counts, pooled_position, select_rows
 
@@ -49,6 +50,9 @@ class ModelOutput(OrderedDict):
 
 class InputError(ValueError):
     """Bad model input (ids out of range, sequence too long...); the message says how to fix it."""
+
+
+FP8_ROWS_PER_LAYER = 12  # amax history rows: input, weight, output gradient of each of a layer's 4 linears
 
 
 # ---------------------------------------------------------------------------------- modules
@@ -107,20 +111,22 @@ class BertLayer(nn.Module):
         self.output.dense = nn.Linear(config.intermediate_size, config.hidden_size)
         self.output.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
-    def weights(self) -> LayerWeights:
+    def weights(self, fp8: tuple | None = None) -> LayerWeights:
         cfg = self.config
         qkv, attn_out, ln_attn = self.attention.self.qkv, self.attention.output.dense, self.attention.output.LayerNorm
         up, down, ln_out = self.intermediate.dense, self.output.dense, self.output.LayerNorm
         return LayerWeights(cfg.num_attention_heads, qkv.weight, qkv.bias, attn_out.weight, attn_out.bias,
                             LayerNormWeights(ln_attn.weight, ln_attn.bias, cfg.layer_norm_eps),
                             up.weight, up.bias, down.weight, down.bias,
-                            LayerNormWeights(ln_out.weight, ln_out.bias, cfg.layer_norm_eps))
+                            LayerNormWeights(ln_out.weight, ln_out.bias, cfg.layer_norm_eps), fp8)
 
-    def forward(self, ops, x, cu_seqlens, max_seqlen, output_attentions=False, rows: Rows | None = None):
-        """``x``: ``(T, hidden)``, the real tokens then ``rows``' padding rows (if any)."""
+    def forward(self, ops, x, cu_seqlens, max_seqlen, output_attentions=False, rows: Rows | None = None,
+                fp8: tuple | None = None):
+        """``x``: ``(T, hidden)``, the real tokens then ``rows``' padding rows (if any); ``fp8``: see
+        ``LayerWeights.fp8``."""
         cfg = self.config
         p_attn, p = (cfg.attention_probs_dropout_prob, cfg.hidden_dropout_prob) if self.training else (0.0, 0.0)
-        return encoder_fn.layer(ops, x, self.weights(), cu_seqlens, max_seqlen, rows,
+        return encoder_fn.layer(ops, x, self.weights(fp8), cu_seqlens, max_seqlen, rows,
                                 activation=gelu_approximate(cfg.hidden_act), softmax_scale=cfg.head_dim ** -0.5,
                                 dropout=LayerDropout(p_attn, p, p), prenorm=cfg.prenorm,
                                 output_attentions=output_attentions)
@@ -133,6 +139,17 @@ class BertEncoder(nn.Module):
         self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
         # Pre-LN needs a final LayerNorm on the residual stream; Post-LN ends normalized already.
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.prenorm else None
+        self._fp8_history: AmaxHistory | None = None
+
+    def fp8_history(self, device) -> AmaxHistory | None:
+        """With ``config.fp8``, in a training forward: the amax history of this encoder's FP8 casts (made
+        on first use, on ``device``), advanced to a new slot; else None (16/32-bit GEMMs)."""
+        if not (self.config.fp8 and self.training and torch.is_grad_enabled()):
+            return None
+        if self._fp8_history is None or self._fp8_history.amax.device != torch.device(device):
+            self._fp8_history = AmaxHistory(FP8_ROWS_PER_LAYER * len(self.layer), device)
+        self._fp8_history.advance()
+        return self._fp8_history
 
     def forward(self, ops, x, cu_seqlens, max_seqlen, output_hidden_states=False, output_attentions=False,
                 rows: Rows | None = None):
@@ -141,8 +158,10 @@ class BertEncoder(nn.Module):
         ``(batch, nh, seq, seq)`` at the tokens' positions with ``rows``, packed per sequence without."""
         hidden_states = [x] if output_hidden_states else None
         attentions = [] if output_attentions else None
-        for layer in self.layer:
-            x, probs = layer(ops, x, cu_seqlens, max_seqlen, output_attentions, rows)
+        history = self.fp8_history(x.device)
+        for i, layer in enumerate(self.layer):
+            fp8 = (history, FP8_ROWS_PER_LAYER * i) if history is not None else None
+            x, probs = layer(ops, x, cu_seqlens, max_seqlen, output_attentions, rows, fp8)
             if output_hidden_states:
                 hidden_states.append(x)
             if output_attentions:

@@ -55,7 +55,9 @@ KEYS: list[tuple[str, object, str, str]] = [
     ("train.optimizer", {"type": "adamw", "lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-6, "weight_decay": 0.01},
      "optimizer", "type (adamw | lamb), peak lr, betas, eps, weight_decay"),
     ("train.gradient_clipping", 1.0, "number>=0?", "global gradient-norm clipping (0/null = off)"),
-    ("train.precision", "auto", "choice:auto|fp32|bf16|fp16", "auto = bf16 on CUDA (fp16 without bf16), fp32 on CPU"),
+    ("train.precision", "auto", "choice:auto|fp32|bf16|fp16|fp8",
+     "auto = bf16 on CUDA (fp16 without bf16), fp32 on CPU; fp8 = bf16 with the encoder's GEMMs in FP8 "
+     "(delayed scaling; Ada/Hopper)"),
     ("train.deepspeed", None, "path?", "DeepSpeed JSON (ZeRO, offload); null = ZeRO stage train.zero_stage"),
     ("train.zero_stage", "auto", "choice:auto|0|1|2|3?",
      "ZeRO stage: auto = 0 on one rank (fastest measured) unless the JSON offloads or asks for ZeRO-3, else the "

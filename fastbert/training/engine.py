@@ -33,7 +33,7 @@ import torch
 from fastbert.training.optim import (OptimizerSpec, build_client_optimizer, ds_optimizer_entry,
                                      param_groups)
 
-PRECISIONS = ("fp32", "bf16", "fp16", "auto")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "auto")
 
 
 class EngineConfigError(ValueError):
@@ -167,8 +167,18 @@ def to_device(batch: dict, device: torch.device) -> dict:
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
+    """The engine's precision (fp32 / bf16 / fp16) for a setting. ``fp8`` is bf16 autocast with the encoder's
+    GEMMs in FP8 (``BertConfig.fp8``, set by ``build_engine``): it needs FP8 tensor cores (compute capability
+    8.9+); on the CPU it runs fp32 with torch's FP8 GEMM emulation (slow: for tests)."""
     if precision not in PRECISIONS:
         raise EngineConfigError(f"precision {precision!r} is not known; use one of {PRECISIONS}")
+    if precision == "fp8":
+        if device.type != "cuda":
+            return "fp32"
+        if torch.cuda.get_device_capability(device) < (8, 9):
+            raise EngineConfigError(f"precision=fp8 needs FP8 tensor cores (compute capability 8.9+: Ada, Hopper); "
+                                    f"{torch.cuda.get_device_name(device)} has none: use precision=bf16")
+        return "bf16"
     if precision == "auto":
         if device.type == "cuda":
             return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
@@ -292,6 +302,12 @@ class TrainEngine:
         self._grad_norm: Optional[torch.Tensor] = None
         self._clipped = False                    # the guard clipped this step already (to read the norm)
         self.graphs = None                       # a GraphedModel once enable_cuda_graphs succeeded
+
+    @property
+    def precision_name(self) -> str:
+        """What the run uses, for logs: the engine's precision, with "+fp8" when the model's GEMMs are FP8."""
+        fp8 = getattr(getattr(self.module, "config", None), "fp8", False)
+        return f"{self.precision}+fp8" if fp8 else self.precision
 
     def enable_cuda_graphs(self, enabled: bool = True, say: Optional[Callable[[str], None]] = None) -> Optional[str]:
         """Replay static-shape (``packed=...``) training steps from CUDA graphs
@@ -429,6 +445,10 @@ def build_engine(model: torch.nn.Module, ds_config=None, *, optimizer: Union[dic
     spec = optimizer if isinstance(optimizer, OptimizerSpec) else OptimizerSpec.from_dict(optimizer or {})
     global_batch_size = global_batch_size or micro_batch_size * dist.world_size
     resolved = resolve_precision(precision, dist.device)
+    if precision == "fp8":
+        if not hasattr(getattr(model, "config", None), "fp8"):
+            raise EngineConfigError("precision=fp8 needs a fastbert model (BertConfig.fp8); use precision=bf16")
+        model.config.fp8 = True
     model = model.to(dist.device)
     # Marks checkpoints as convertible to DeepSpeed's universal format (resume on another rank count).
     if getattr(model, "universal_checkpoint_info", None) is None:

@@ -216,7 +216,7 @@ class Run:
             data={"dir": str(self.data_dir), "settings": self.index.get("settings"), "seq_len": self.index["seq_len"],
                   "train_sequences": self.index["splits"]["train"]["num_sequences"], "data_skip": self.data_skip},
             model={**model_signature(self.model), "num_parameters": self.num_params, "kernels": self.model.config.kernels},
-            engine={"zero_stage": self.engine.zero_stage, "precision": self.engine.precision,
+            engine={"zero_stage": self.engine.zero_stage, "precision": self.engine.precision_name,
                     "global_batch_size": self.engine.global_batch_size, "micro_batch_size": self.engine.micro_batch_size,
                     "grad_accum": self.engine.grad_accum},
             guard={"skipped_steps": self.guard.skipped_total, "rollbacks": self.guard.rollbacks})
@@ -425,12 +425,12 @@ def train(r: Run) -> dict:
     peak = peak_tflops(dist.device, cfg.log.peak_tflops)
     log.print(f"[fastbert] {type(model).__name__} {cfg.model.preset} ({r.num_params / 1e6:.1f}M params, "
               f"kernels={mc.kernels}, prenorm={mc.prenorm}) | {dist.world_size} rank(s) on {dist.num_nodes} node(s), "
-              f"{dist.device.type} | ZeRO-{engine.zero_stage} {engine.precision} | global batch "
+              f"{dist.device.type} | ZeRO-{engine.zero_stage} {engine.precision_name} | global batch "
               f"{engine.global_batch_size} = {engine.micro_batch_size} x {dist.world_size} x {engine.grad_accum} | "
               f"{len(train_data)} train sequences")
 
     log.log("start", start_step, world_size=dist.world_size, num_nodes=dist.num_nodes,
-            local_world_size=dist.local_world_size, zero_stage=engine.zero_stage, precision=engine.precision,
+            local_world_size=dist.local_world_size, zero_stage=engine.zero_stage, precision=engine.precision_name,
             grad_accum=engine.grad_accum, global_batch_size=engine.global_batch_size, device=str(dist.device),
             train_sequences=len(train_data), deterministic=det is not None, data_skip=r.data_skip,
             preflight_s=pre.get("preflight_s"))

@@ -22,7 +22,8 @@ def test_pretrain_and_project_parts(data_dir, tmp_path):
     out = tmp_path / "ttq"
     cmd = [sys.executable, str(REPO / "benchmarks/time_to_quality.py"), "--parts", "pretrain,project", "--data",
            str(data), "--out", str(out), "--preset", "tiny", "--steps", "4", "--batch", "8", "--eval-every", "2",
-           "--eval-batches", "2", "--seeds", "0", "--ways", "hf,fb-torch,fb-pretrain", "--e2e-json", str(e2e)]
+           "--eval-batches", "2", "--seeds", "0", "--ways", "hf,fb-torch,fb-pretrain,fb-pretrain-fp8", "--e2e-json",
+           str(e2e)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     hf = json.loads((out / "pretrain_hf_seed0.json").read_text())
@@ -36,6 +37,13 @@ def test_pretrain_and_project_parts(data_dir, tmp_path):
     assert 0 < cmd_run["train_seconds"] < cmd_run["command_seconds"]
     assert abs(cmd_run["curve"][-1]["mlm_loss"] - hf["curve"][-1]["mlm_loss"]) < 0.5  # 4 steps, its own data order
     agreement = json.loads((out / "pretrain_summary.json").read_text())["agreement"]
+    # train.precision=fp8: on the CPU fp32 with torch's FP8 GEMM emulation; the run says so and trains
+    fp8 = json.loads((out / "pretrain_fb-pretrain-fp8_seed0.json").read_text())
+    start = json.loads((out / "fb-pretrain-fp8_seed0" / "metrics.jsonl").read_text().splitlines()[0])
+    assert start["event"] == "start" and start["precision"] == "fp32+fp8", start
+    # same seed, data order and init as fb-pretrain: only the FP8 rounding differs (the GPU run checks 3,000 steps)
+    assert [p["step"] for p in fp8["curve"]] == [p["step"] for p in cmd_run["curve"]]
+    assert abs(agreement["fb-pretrain-fp8"]["loss_diff_vs_bf16"]) < 0.01
     f = agreement["fb-pretrain"]
     assert f["seconds_vs_hf"] == f["train_seconds"] / agreement["hf"]["train_seconds"]
     assert f["time_to_quality_target_met"] == (f["final_mlm_loss"] <= agreement["hf"]["final_mlm_loss"] + 0.02

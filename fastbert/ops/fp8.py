@@ -1,0 +1,175 @@
+"""FP8 linear layers with per-tensor delayed scaling (``BertConfig.fp8``, ``train.precision=fp8``).
+
+``fp8_linear(x, weight, bias, history, rows)`` is ``F.linear`` with its three GEMMs in FP8 through
+``torch._scaled_mm``: forward ``x @ W^T`` in e4m3 x e4m3, the input gradient ``dy @ W`` and the weight
+gradient ``dy^T @ x`` with ``dy`` in e5m2 (more range, the gradients' need). Accumulation is fp32;
+results come out in the input's dtype (bf16 under autocast), the weight gradient in the weight's.
+
+Delayed scaling (Transformer Engine's recipe): every tensor that is cast (each linear's input,
+weight and output gradient) has a row of ``AmaxHistory``: the largest finite ``|value|`` seen in each
+of the last ``HISTORY`` training forwards. A cast scales by ``fp8_max / max(row)`` taken over the
+previous forwards only, and records its own amax into the current slot in the same pass, so scaling
+needs nothing from the host and a step can be replayed from a CUDA graph. The first cast of a row
+(no history yet: a host flag, so never inside a capture) first measures its tensor (just-in-time
+scaling, once). ``AmaxHistory.advance`` starts a new slot; the encoder calls it at every training
+forward. Non-finite values are left out of the amax: a step the guard skips for an inf does not
+poison the next ``HISTORY`` steps' scales.
+
+``_scaled_mm`` takes its second operand column-major, so each cast also writes the transpose the
+backward needs (``x^T`` for the weight gradient, ``W^T`` for the input gradient, ``dy^T``); the
+saved activation is the 1-byte transposed copy, not the 16-bit input. GEMM dimensions must be
+multiples of 16; a call whose shapes are not (a padded batch's odd token count) runs ``F.linear``.
+
+The casts are a Triton kernel on CUDA (one pass: scale from the history, cast, transpose, amax) and
+the plain-PyTorch reference ``cast_fp8_ref`` elsewhere; ``_scaled_mm`` also runs on the CPU (slowly),
+which is what the tests use (the kernel itself is tested against the reference in the interpreter).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fastbert.ops._common import HAS_TRITON, INTERPRET, tl, triton
+
+HISTORY = 16
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+ALIGN = 16  # _scaled_mm: every GEMM dimension a multiple of 16
+
+
+class AmaxHistory:
+    """The amax rows of every cast of one model (``rows x HISTORY`` fp32 on the device) and the slot
+    counter; rows are handed out by ``allocate``. ``primed`` holds the rows whose first cast has run."""
+
+    def __init__(self, n_rows: int, device):
+        self.amax = torch.zeros((n_rows, HISTORY), dtype=torch.float32, device=device)
+        self.step = torch.zeros((1,), dtype=torch.int64, device=device)
+        self.primed: set[int] = set()
+
+    def advance(self) -> None:
+        """Open the next slot: zero it for every row (device ops only)."""
+        self.step.add_(1)
+        self.amax.index_fill_(1, torch.remainder(self.step, HISTORY), 0.0)
+
+    def prime(self, row: int, x: torch.Tensor) -> None:
+        """First cast of ``row``: record ``x``'s amax as the previous slot's, so it scales by its own."""
+        if row in self.primed:
+            return
+        prev = torch.remainder(self.step - 1, HISTORY)
+        self.amax[row].index_copy_(0, prev, finite_amax(x).view(1))
+        self.primed.add(row)
+
+
+def finite_amax(x: torch.Tensor) -> torch.Tensor:
+    a = x.detach().abs().float()
+    return torch.where(torch.isfinite(a), a, 0.0).amax()
+
+
+def cast_fp8_ref(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torch.dtype):
+    """Reference cast of a 2-D ``x``: ``(x8, x8 transposed and contiguous, scale_inv)``; records
+    ``x``'s amax in the current slot of ``row``. ``x8 * scale_inv`` approximates ``x``."""
+    fmax = FP8_MAX[dtype]
+    cur = torch.remainder(history.step, HISTORY)
+    hist = history.amax[row]
+    prev = torch.where(torch.arange(HISTORY, device=hist.device) == cur, 0.0, hist).amax()
+    scale = torch.where(prev > 0, fmax / prev, torch.ones_like(prev))
+    x8 = (x.float() * scale).clamp(-fmax, fmax).to(dtype)
+    hist.scatter_reduce_(0, cur, finite_amax(x).view(1), reduce="amax")
+    return x8, x8.t().contiguous(), (1.0 / scale).reshape(())
+
+
+# ============================================================================= Triton kernel
+@triton.jit
+def _cast_fp8_kernel(X, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm, FP8_MAX: tl.constexpr,
+                     HISTORY_LEN: tl.constexpr, WITH_COLSUM: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """One (BLOCK_M, BLOCK_N) tile: scale from the history row's previous slots, cast, store the tile
+    and its transpose, fold the tile's finite amax into the current slot; with WITH_COLSUM also the
+    tile's fp32 column sums of ``x`` (a bias gradient, reduced over row tiles by the caller)."""
+    slots = tl.arange(0, HISTORY_LEN)
+    cur = tl.load(STEP) % HISTORY_LEN
+    prev = tl.max(tl.where(slots == cur, 0.0, tl.load(HIST + slots)), axis=0)
+    scale = tl.where(prev > 0.0, FP8_MAX / prev, 1.0)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    rows64 = rows.to(tl.int64)
+    cols64 = cols.to(tl.int64)
+    x = tl.load(X + rows64[:, None] * stride_xm + cols64[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = tl.clamp(x * scale, -FP8_MAX, FP8_MAX).to(Y.dtype.element_ty)
+    tl.store(Y + rows64[:, None] * N + cols64[None, :], y, mask=mask)
+    tl.store(YT + cols64[:, None] * M + rows64[None, :], tl.trans(y), mask=tl.trans(mask))
+    a = tl.abs(x)
+    tile_amax = tl.max(tl.max(tl.where(a < float("inf"), a, 0.0), axis=1), axis=0)  # NaN < inf is False
+    tl.atomic_max(HIST + cur, tile_amax)
+    if WITH_COLSUM:
+        tl.store(COLSUM + tl.program_id(0).to(tl.int64) * N + cols64, tl.sum(x, axis=0), mask=cols < N)
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(SCALE_INV, 1.0 / scale)
+
+
+def cast_fp8_triton(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torch.dtype, colsum: bool = False):
+    """``cast_fp8_ref`` in one kernel pass (the tile's amax goes in with an atomic max); with ``colsum``
+    also ``x.sum(0)`` in fp32 (per row tile, then summed: deterministic), else None."""
+    m, n = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    x8 = torch.empty((m, n), dtype=dtype, device=x.device)
+    x8t = torch.empty((n, m), dtype=dtype, device=x.device)
+    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+    block = 32 if INTERPRET else 64
+    grid = (triton.cdiv(m, block), triton.cdiv(n, block))
+    parts = torch.empty((grid[0], n) if colsum else (0,), dtype=torch.float32, device=x.device)
+    _cast_fp8_kernel[grid](x, x8, x8t, history.amax[row], history.step, scale_inv, parts, m, n, x.stride(0),
+                           FP8_MAX=FP8_MAX[dtype], HISTORY_LEN=HISTORY, WITH_COLSUM=colsum, BLOCK_M=block,
+                           BLOCK_N=block, num_warps=4)
+    return x8, x8t, scale_inv, parts.sum(0) if colsum else None
+
+
+def cast_fp8(x, history: AmaxHistory, row: int, dtype: torch.dtype, colsum: bool = False):
+    """``(x8, x8 transposed, scale_inv, x.sum(0) in fp32 or None)``: the kernel on CUDA when Triton is
+    there, else the reference (also under TRITON_INTERPRET: the interpreter's fp8 conversion loses the
+    carry when rounding up reaches a power of two)."""
+    history.prime(row, x)
+    if HAS_TRITON and x.is_cuda:
+        return cast_fp8_triton(x, history, row, dtype, colsum)
+    return (*cast_fp8_ref(x, history, row, dtype), x.float().sum(0) if colsum else None)
+
+
+# ============================================================================= autograd + entry point
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, weight, bias, history, rows, out_dtype):
+        x8, x8t, sx, _ = cast_fp8(x2, history, rows, E4M3)
+        w8, w8t, sw, _ = cast_fp8(weight, history, rows + 1, E4M3)
+        b = bias.to(out_dtype) if bias is not None else None
+        y = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, bias=b, out_dtype=out_dtype, use_fast_accum=True)
+        ctx.save_for_backward(x8t, w8t, sx, sw)
+        ctx.history, ctx.rows, ctx.has_bias = history, rows, bias is not None
+        ctx.dtypes = (x2.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x8t, w8t, sx, sw = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        g8, g8t, sg, db = cast_fp8(dy, ctx.history, ctx.rows + 2, E5M2, colsum=ctx.has_bias)
+        # dx = dy @ W: (T, N) x (N, K), W column-major = W^T's rows; dW = dy^T @ x: (N, T) x (T, K).
+        dx = torch._scaled_mm(g8, w8t.t(), scale_a=sg, scale_b=sw, out_dtype=x_dtype)
+        dw = torch._scaled_mm(g8t, x8t.t(), scale_a=sg, scale_b=sx, out_dtype=w_dtype)
+        return dx, dw, db.to(b_dtype) if db is not None else None, None, None, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias, history: AmaxHistory, rows: int):
+    """``F.linear(x, weight, bias)`` with FP8 GEMMs; ``rows``: the first of this linear's three
+    history rows (input, weight, output gradient). Under autocast the result is in the autocast
+    dtype, as F.linear's; shapes that ``_scaled_mm`` cannot take run F.linear itself."""
+    k, n = weight.shape[1], weight.shape[0]
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] % ALIGN or k % ALIGN or n % ALIGN or x2.shape[0] == 0:
+        return F.linear(x, weight, bias)
+    out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    with torch.autocast(x.device.type, enabled=False):
+        y = _Fp8Linear.apply(x2, weight, bias, history, rows, out_dtype)
+    return y.view(*x.shape[:-1], n)
