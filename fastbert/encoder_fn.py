@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple, Union
 import torch
 import torch.nn.functional as F
 
-from fastbert.ops.fp8 import fp8_linear
+from fastbert.ops.fp8 import fp8_ffn, fp8_linear
 from fastbert.padding_rows import Rows, attention_maps_or_packed, with_padding_rows
 
 
@@ -94,9 +94,12 @@ def layer(ops, x, w: LayerWeights, cu_seqlens, max_seqlen: int, rows: Rows | Non
         return linear(ctx.reshape(tokens, nh * hd), w.attention_out_weight, None, 1), probs  # bias: in add + norm
 
     def ffn(h):  # the output bias is left to the caller
+        if w.fp8 is not None and isinstance(activation, str):
+            history, first = w.fp8
+            return fp8_ffn(h, w.intermediate_weight, w.intermediate_bias, w.output_weight, history, first + 6,
+                           activation)
         if w.fp8 is not None:
-            z = linear(h, w.intermediate_weight, w.intermediate_bias, 2)
-            h = F.gelu(z, approximate=activation) if isinstance(activation, str) else activation(z)
+            h = activation(linear(h, w.intermediate_weight, w.intermediate_bias, 2))
         elif isinstance(activation, str):
             h = ops.linear_bias_gelu(h, w.intermediate_weight, w.intermediate_bias, approximate=activation)
         else:

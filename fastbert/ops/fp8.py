@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from fastbert.ops._common import HAS_TRITON, INTERPRET, tl, triton
+from fastbert.ops.ffn import gelu, gelu_grad
 
 HISTORY = 16
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -65,6 +66,25 @@ def finite_amax(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(a), a, 0.0).amax()
 
 
+def gelu_grad_ref(z: torch.Tensor, approximate: str) -> torch.Tensor:
+    """d gelu(z) / dz in fp32 (the formulas of ``ops/ffn.gelu_grad``)."""
+    z = z.float()
+    if approximate == "tanh":
+        t = torch.tanh(0.7978845608028654 * (z + 0.044715 * z ** 3))
+        return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * 0.7978845608028654 * (1 + 0.134145 * z * z)
+    return 0.5 * (1 + torch.erf(z * 0.7071067811865476)) + z * torch.exp(-0.5 * z * z) * 0.3989422804014327
+
+
+def pre_op_ref(x: torch.Tensor, gelu: str | None, z: torch.Tensor | None) -> torch.Tensor:
+    """What a cast casts, in fp32: ``x``, ``gelu(x)`` (``gelu`` set, no ``z``: the FFN's activation) or
+    ``x * gelu'(z)`` (``gelu`` and ``z``: the activation's backward)."""
+    if gelu is None:
+        return x.float()
+    if z is None:
+        return F.gelu(x.float(), approximate=gelu)
+    return x.float() * gelu_grad_ref(z, gelu)
+
+
 def cast_fp8_ref(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torch.dtype):
     """Reference cast of a 2-D ``x``: ``(x8, x8 transposed and contiguous, scale_inv)``; records
     ``x``'s amax in the current slot of ``row``. ``x8 * scale_inv`` approximates ``x``."""
@@ -80,12 +100,13 @@ def cast_fp8_ref(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torch.d
 
 # ============================================================================= Triton kernel
 @triton.jit
-def _cast_fp8_kernel(X, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm, FP8_MAX: tl.constexpr,
-                     HISTORY_LEN: tl.constexpr, WITH_COLSUM: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
+def _cast_fp8_kernel(X, Z, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm, stride_zm,
+                     FP8_MAX: tl.constexpr, HISTORY_LEN: tl.constexpr, PRE: tl.constexpr, APPROX_TANH: tl.constexpr,
+                     WITH_COLSUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) tile: scale from the history row's previous slots, cast, store the tile
     and its transpose, fold the tile's finite amax into the current slot; with WITH_COLSUM also the
-    tile's fp32 column sums of ``x`` (a bias gradient, reduced over row tiles by the caller)."""
+    tile's fp32 column sums (a bias gradient, reduced over row tiles by the caller). What is cast
+    (``pre_op_ref``): PRE 0 ``x``, 1 ``gelu(x)``, 2 ``x * gelu'(z)``."""
     slots = tl.arange(0, HISTORY_LEN)
     cur = tl.load(STEP) % HISTORY_LEN
     prev = tl.max(tl.where(slots == cur, 0.0, tl.load(HIST + slots)), axis=0)
@@ -96,6 +117,11 @@ def _cast_fp8_kernel(X, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm, F
     rows64 = rows.to(tl.int64)
     cols64 = cols.to(tl.int64)
     x = tl.load(X + rows64[:, None] * stride_xm + cols64[None, :], mask=mask, other=0.0).to(tl.float32)
+    if PRE == 1:
+        x = gelu(x, APPROX_TANH)
+    elif PRE == 2:
+        z = tl.load(Z + rows64[:, None] * stride_zm + cols64[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = x * gelu_grad(z, APPROX_TANH)
     y = tl.clamp(x * scale, -FP8_MAX, FP8_MAX).to(Y.dtype.element_ty)
     tl.store(Y + rows64[:, None] * N + cols64[None, :], y, mask=mask)
     tl.store(YT + cols64[:, None] * M + rows64[None, :], tl.trans(y), mask=tl.trans(mask))
@@ -108,32 +134,41 @@ def _cast_fp8_kernel(X, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm, F
         tl.store(SCALE_INV, 1.0 / scale)
 
 
-def cast_fp8_triton(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torch.dtype, colsum: bool = False):
-    """``cast_fp8_ref`` in one kernel pass (the tile's amax goes in with an atomic max); with ``colsum``
-    also ``x.sum(0)`` in fp32 (per row tile, then summed: deterministic), else None."""
+def cast_fp8_triton(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torch.dtype, colsum: bool = False,
+                    gelu: str | None = None, z: torch.Tensor | None = None):
+    """``cast_fp8_ref`` of ``pre_op_ref(x, gelu, z)`` in one kernel pass (the tile's amax goes in with an
+    atomic max); with ``colsum`` also its column sums in fp32 (per row tile, then summed: deterministic),
+    else None."""
     m, n = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
+    if z is not None and z.stride(1) != 1:
+        z = z.contiguous()
     x8 = torch.empty((m, n), dtype=dtype, device=x.device)
     x8t = torch.empty((n, m), dtype=dtype, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     block = 32 if INTERPRET else 64
     grid = (triton.cdiv(m, block), triton.cdiv(n, block))
     parts = torch.empty((grid[0], n) if colsum else (0,), dtype=torch.float32, device=x.device)
-    _cast_fp8_kernel[grid](x, x8, x8t, history.amax[row], history.step, scale_inv, parts, m, n, x.stride(0),
-                           FP8_MAX=FP8_MAX[dtype], HISTORY_LEN=HISTORY, WITH_COLSUM=colsum, BLOCK_M=block,
-                           BLOCK_N=block, num_warps=4)
+    pre = 0 if gelu is None else (1 if z is None else 2)
+    _cast_fp8_kernel[grid](x, z if z is not None else x, x8, x8t, history.amax[row], history.step, scale_inv, parts,
+                           m, n, x.stride(0), z.stride(0) if z is not None else 0, FP8_MAX=FP8_MAX[dtype],
+                           HISTORY_LEN=HISTORY, PRE=pre, APPROX_TANH=gelu == "tanh", WITH_COLSUM=colsum,
+                           BLOCK_M=block, BLOCK_N=block, num_warps=4)
     return x8, x8t, scale_inv, parts.sum(0) if colsum else None
 
 
-def cast_fp8(x, history: AmaxHistory, row: int, dtype: torch.dtype, colsum: bool = False):
-    """``(x8, x8 transposed, scale_inv, x.sum(0) in fp32 or None)``: the kernel on CUDA when Triton is
-    there, else the reference (also under TRITON_INTERPRET: the interpreter's fp8 conversion loses the
-    carry when rounding up reaches a power of two)."""
-    history.prime(row, x)
+def cast_fp8(x, history: AmaxHistory, row: int, dtype: torch.dtype, colsum: bool = False,
+             gelu: str | None = None, z: torch.Tensor | None = None):
+    """``(v8, v8 transposed, scale_inv, v.sum(0) in fp32 or None)`` for ``v = pre_op_ref(x, gelu, z)``:
+    the kernel on CUDA when Triton is there, else the reference (also under TRITON_INTERPRET: the
+    interpreter's fp8 conversion loses the carry when rounding up reaches a power of two)."""
+    if row not in history.primed:
+        history.prime(row, pre_op_ref(x, gelu, z))
     if HAS_TRITON and x.is_cuda:
-        return cast_fp8_triton(x, history, row, dtype, colsum)
-    return (*cast_fp8_ref(x, history, row, dtype), x.float().sum(0) if colsum else None)
+        return cast_fp8_triton(x, history, row, dtype, colsum, gelu, z)
+    v = pre_op_ref(x, gelu, z)
+    return (*cast_fp8_ref(v, history, row, dtype), v.sum(0) if colsum else None)
 
 
 # ============================================================================= autograd + entry point
@@ -161,15 +196,72 @@ class _Fp8Linear(torch.autograd.Function):
         return dx, dw, db.to(b_dtype) if db is not None else None, None, None, None
 
 
+class _Fp8Ffn(torch.autograd.Function):
+    """``gelu(x @ W1^T + b1) @ W2^T`` (no output bias) with four FP8 GEMMs forward and back; the GELU
+    runs inside the cast of the down-projection's input (the activation never exists in 16 bits) and
+    its derivative inside the cast of the up-projection's output gradient, which also sums d(b1)."""
+
+    @staticmethod
+    def forward(ctx, x2, w1, b1, w2, history, rows, approximate, out_dtype):
+        up, down = rows, rows + 3
+        x8, x8t, sx, _ = cast_fp8(x2, history, up, E4M3)
+        w18, w18t, sw1, _ = cast_fp8(w1, history, up + 1, E4M3)
+        b = b1.to(out_dtype) if b1 is not None else None
+        z = torch._scaled_mm(x8, w18.t(), scale_a=sx, scale_b=sw1, bias=b, out_dtype=out_dtype, use_fast_accum=True)
+        y8, y8t, sy, _ = cast_fp8(z, history, down, E4M3, gelu=approximate)
+        w28, w28t, sw2, _ = cast_fp8(w2, history, down + 1, E4M3)
+        out = torch._scaled_mm(y8, w28.t(), scale_a=sy, scale_b=sw2, out_dtype=out_dtype, use_fast_accum=True)
+        ctx.save_for_backward(x8t, w18t, sx, sw1, z, y8t, w28t, sy, sw2)
+        ctx.history, ctx.rows, ctx.approximate = history, rows, approximate
+        ctx.dtypes = (x2.dtype, w1.dtype, b1.dtype if b1 is not None else None, w2.dtype)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        x8t, w18t, sx, sw1, z, y8t, w28t, sy, sw2 = ctx.saved_tensors
+        x_dtype, w1_dtype, b1_dtype, w2_dtype = ctx.dtypes
+        up, down = ctx.rows, ctx.rows + 3
+        g8, g8t, sg, _ = cast_fp8(dout, ctx.history, down + 2, E5M2)
+        dy = torch._scaled_mm(g8, w28t.t(), scale_a=sg, scale_b=sw2, out_dtype=z.dtype)
+        dw2 = torch._scaled_mm(g8t, y8t.t(), scale_a=sg, scale_b=sy, out_dtype=w2_dtype)
+        dz8, dz8t, sdz, db1 = cast_fp8(dy, ctx.history, up + 2, E5M2, colsum=b1_dtype is not None,
+                                       gelu=ctx.approximate, z=z)
+        dx = torch._scaled_mm(dz8, w18t.t(), scale_a=sdz, scale_b=sw1, out_dtype=x_dtype)
+        dw1 = torch._scaled_mm(dz8t, x8t.t(), scale_a=sdz, scale_b=sx, out_dtype=w1_dtype)
+        return dx, dw1, db1.to(b1_dtype) if db1 is not None else None, dw2, None, None, None, None
+
+
+def _aligned(*dims: int) -> bool:
+    return all(d % ALIGN == 0 and d > 0 for d in dims)
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+
+
+def fp8_ffn(x: torch.Tensor, w1: torch.Tensor, b1, w2: torch.Tensor, history: AmaxHistory, rows: int,
+            approximate: str = "none"):
+    """``F.linear(F.gelu(F.linear(x, w1, b1), approximate), w2)`` with FP8 GEMMs; ``rows``: the up-projection's
+    first history row, the down-projection's three follow. Shapes ``_scaled_mm`` cannot take run the
+    16/32-bit ops."""
+    x2 = x.reshape(-1, w1.shape[1])
+    if not _aligned(x2.shape[0], *w1.shape, *w2.shape):
+        return F.linear(F.gelu(F.linear(x, w1, b1), approximate=approximate), w2)
+    out_dtype = _out_dtype(x)
+    with torch.autocast(x.device.type, enabled=False):
+        out = _Fp8Ffn.apply(x2, w1, b1, w2, history, rows, approximate, out_dtype)
+    return out.view(*x.shape[:-1], w2.shape[0])
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias, history: AmaxHistory, rows: int):
     """``F.linear(x, weight, bias)`` with FP8 GEMMs; ``rows``: the first of this linear's three
     history rows (input, weight, output gradient). Under autocast the result is in the autocast
     dtype, as F.linear's; shapes that ``_scaled_mm`` cannot take run F.linear itself."""
-    k, n = weight.shape[1], weight.shape[0]
-    x2 = x.reshape(-1, k)
-    if x2.shape[0] % ALIGN or k % ALIGN or n % ALIGN or x2.shape[0] == 0:
+    x2 = x.reshape(-1, weight.shape[1])
+    if not _aligned(x2.shape[0], *weight.shape):
         return F.linear(x, weight, bias)
-    out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    out_dtype = _out_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
         y = _Fp8Linear.apply(x2, weight, bias, history, rows, out_dtype)
-    return y.view(*x.shape[:-1], n)
+    return y.view(*x.shape[:-1], weight.shape[0])
