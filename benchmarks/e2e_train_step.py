@@ -6,8 +6,13 @@ speed, so masked ids are kept), NSP labels, and either
   packed: every sequence full (what `fastbert prepare` produces: packed segments),
   sst2:   real SST-2 sentence lengths padded to --seq (the fine-tuning shape).
 Contenders: hf-eager, hf-sdpa, hf-compile (SDPA + torch.compile), fb-torch, fb-triton, fb-compile
-(fb-triton under torch.compile: Inductor fuses the glue around the fastbert custom ops), hf-patch
-(HF SDPA model + fastbert.patch). All run bf16 autocast over fp32 weights with fused AdamW.
+(fb-triton under torch.compile: Inductor fuses the glue around the fastbert custom ops), fb-graphs
+(fb-triton's model stepped as the `fastbert pretrain` loop steps it: each batch in the loader's
+static-shape `packed=` form, one sequence a row, MLM targets in the masking collator's fixed slots, the
+sparse MLM head, forward + backward replayed from CUDA graphs, training/cuda_graphs.py; no DeepSpeed and
+no clipping, as for the others; rows are encoded whole, padding included as its own segments, so in
+padded / sst2 mode it does more work than fb-triton), hf-patch (HF SDPA model + fastbert.patch). All
+run bf16 autocast over fp32 weights with fused AdamW.
 
 Isolation: every contender runs in a fresh worker process (this script with --worker), since what one
 contender leaves in a process slows the next (fb-triton: 85 ms/step alone, 121 right after hf-compile).
@@ -20,7 +25,8 @@ parent warns if they differ. A failed worker is reported with its stderr tail; t
 contenders that run on a CPU (hf-eager, hf-sdpa, fb-torch; the others are skipped with a line each).
 
 Before timing, every contender's first-batch loss (eval mode, shared weights) is checked against
-HF SDPA's. Timing: CUDA events around --steps full steps after --warmup steps.
+HF SDPA's (fb-graphs: its packed forward's). Timing: CUDA events around --steps full steps after
+--warmup steps (fb-graphs at least 3: a shape runs eagerly when first seen, is captured the second time).
 
 Model FLOPs per step (the same for every contender; padding is never counted):
   6 * T * L * (4H^2 + 2HI)              dense matmuls, T real tokens
@@ -51,10 +57,12 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 PEAK_BF16 = 989.4e12
-CONTENDERS = ("hf-eager", "hf-sdpa", "hf-compile", "fb-torch", "fb-triton", "fb-compile", "hf-patch")
+CONTENDERS = ("hf-eager", "hf-sdpa", "hf-compile", "fb-torch", "fb-triton", "fb-compile", "fb-graphs", "hf-patch")
 NEEDS_GPU = {"hf-compile": "torch.compile", "fb-triton": "Triton kernels", "fb-compile": "Triton kernels",
-             "hf-patch": "Triton kernels"}
+             "fb-graphs": "CUDA graphs", "hf-patch": "Triton kernels"}
+GRAPH_WARMUP = 3         # eager (first sight of the shape), capture + replay, replay
 STDERR_TAIL = 30         # lines of a failed worker's stderr to show
+BERT_SPECIAL_IDS, MASK_ID = (0, 100, 101, 102, 103), 103    # [PAD] [UNK] [CLS] [SEP] [MASK] of BERT's vocabulary
 
 
 def lengths_for(mode: str, batch: int, seq: int, rng: np.random.Generator) -> np.ndarray:
@@ -85,6 +93,39 @@ def make_batches(n, batch, seq, vocab, mode, device, seed=0):
         out.append(dict(input_ids=t(ids), attention_mask=t(mask), token_type_ids=t(types), labels=t(labels),
                         next_sentence_label=t(rng.integers(0, 2, size=batch))))
     return out
+
+
+def mlm_slots(batches, vocab_size: int) -> int:
+    """One MLM slot count for all batches (one captured shape): what the masking collator gives this batch
+    geometry (``MaskingCollator.capacity``, what the pretrain loader pads to), raised where the benchmark's
+    per-token 15% draw picked more tokens than the collator's per-row rule ever does."""
+    from fastbert.data.masking import MaskingCollator
+    rows, seq = batches[0]["input_ids"].shape
+    capacity = MaskingCollator(vocab_size, BERT_SPECIAL_IDS, MASK_ID).capacity(rows, seq)
+    return max(capacity, max(int((b["labels"] != -100).sum()) for b in batches))
+
+
+def packed_batch(batch: dict, slots: int) -> dict:
+    """``batch`` in the static-shape form the pretrain loader feeds ``model(packed=...)``: rows built by
+    ``data/static_batch.build_rows`` (one sequence a row, per_row=1: the same tokens, token types and NSP
+    labels), the masked positions laid out as ``MaskingCollator.masked_slots`` lays them out (flat
+    positions in order, then unused slots at 0 with target -100). Built on the host, once."""
+    from fastbert.data.static_batch import build_rows
+    ids, mask, labels, nsp = (batch[k].cpu().numpy() for k in ("input_ids", "attention_mask", "labels",
+                                                               "next_sentence_label"))
+    seq = ids.shape[1]
+    # make_batches starts segment B (token type 1) at half the length
+    rows = [[(ids[r, :n], n // 2, nsp[r])] for r, n in enumerate(mask.sum(1))]
+    arrays = build_rows(rows, seq, per_row=1, pad_id=0, nsp=True)
+    chosen = np.flatnonzero(labels.reshape(-1) != -100)
+    positions = np.zeros(slots, dtype=np.int64)
+    targets = np.full(slots, -100, dtype=np.int64)
+    positions[:len(chosen)], targets[:len(chosen)] = chosen, labels.reshape(-1)[chosen]
+    t = lambda a: torch.as_tensor(a, device=batch["input_ids"].device)  # noqa: E731
+    return dict(input_ids=t(arrays["input_ids"]), token_type_ids=t(arrays["token_type_ids"]),
+                position_ids=t(arrays["position_ids"]), cu_seqlens=t(arrays["cu_seqlens"]), max_seqlen=seq,
+                mlm_positions=t(positions), mlm_targets=t(targets), cls_positions=t(arrays["cls_positions"]),
+                next_sentence_label=t(arrays["next_sentence_label"]))
 
 
 def model_flops(batch, cfg) -> float:
@@ -197,40 +238,65 @@ def timed_steps(step, inputs, steps, device):
 def run_contender(name, inp: Inputs, warmup, steps, device, profile=False):
     model, step_model = build(name, inp.hf_state, inp.hcfg, inp.fcfg, device)
     autocast = autocast_for(device)
-    batches = inp.batches
-    check = first_loss(step_model, batches[0], autocast)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01, fused=True)
+    graphs, batches = None, inp.batches
+    if name == "fb-graphs":
+        from fastbert.training.cuda_graphs import GraphedModel
+        graphs = GraphedModel(model, "bf16")
+        graphs.activate()  # the training stream, before any backward makes gradient accumulators (as the engine)
+        slots = mlm_slots(batches, inp.fcfg.vocab_size)
+        batches = [{"packed": packed_batch(b, slots)} for b in batches]
+        warmup = max(warmup, GRAPH_WARMUP)
+    try:
+        # fb-graphs: the packed forward. Its loss is normalised as HF's (MLM mean over the masked tokens, unused
+        # slots weigh 0; NSP mean over the sequences), so it differs from HF's padded loss only by arithmetic
+        # (other kernels, summation order, bf16): ~1e-2 at most here, ~1e-6 in fp32 (tests/benchmarks).
+        check = first_loss(step_model, batches[0], autocast)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01,
+                                fused=True)
 
-    def step(kw):
-        with autocast:
-            loss = step_model(**kw).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+        def step(kw):
+            # As TrainEngine: a graph's output, else the eager model (first sight of a shape, eval); no outer
+            # autocast around the graphs, they capture under their own. One micro-batch a step, so the engine
+            # never calls graphs.own_grads() and DeepSpeed's ZeRO-0 step sets the gradients to None.
+            out = graphs(kw["packed"]) if graphs is not None else None
+            if out is None:
+                with autocast:
+                    out = step_model(**kw)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return out.loss
 
-    t0 = time.time()
-    for i in range(warmup):
-        step(batches[i % len(batches)])
-    synchronize(device)
-    compile_s = time.time() - t0
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    ms, issue_ms, loss = timed_steps(step, batches, steps, device)
-    if profile:
-        from torch.profiler import ProfilerActivity, profile as torch_profile
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with torch_profile(activities=activities) as prof:
-            for i in range(3):
-                step(batches[i % len(batches)])
+        t0 = time.time()
+        for i in range(warmup):
+            step(batches[i % len(batches)])
+        synchronize(device)
+        compile_s = time.time() - t0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        replays = graphs.replays if graphs is not None else 0
+        ms, issue_ms, loss = timed_steps(step, batches, steps, device)
+        replays = graphs.replays - replays if graphs is not None else 0    # == steps when every step replayed
+        if profile:
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            with torch_profile(activities=activities) as prof:
+                for i in range(3):
+                    step(batches[i % len(batches)])
+                synchronize(device)
+            print(f"--- profile {name} (3 steps) ---")
+            sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+            print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60), flush=True)
+        res = dict(contender=name, ms_per_step=ms, issue_ms_per_step=issue_ms, check_loss=check,
+                   final_loss=float(loss.detach()), warmup_s=compile_s, inputs_digest=inp.digest,
+                   peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None)
+        if graphs is not None:
+            res["graph_replays"] = replays
+    finally:
+        if graphs is not None:
             synchronize(device)
-        print(f"--- profile {name} (3 steps) ---")
-        sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-        print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60), flush=True)
-    res = dict(contender=name, ms_per_step=ms, issue_ms_per_step=issue_ms, check_loss=check,
-               final_loss=float(loss.detach()), warmup_s=compile_s, inputs_digest=inp.digest,
-               peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None)
-    del model, step_model, opt, step
+            torch.cuda.set_stream(torch.cuda.default_stream())
+    del model, step_model, graphs, opt, step
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -347,6 +413,8 @@ def main(argv=None):
         peak = f"{r['peak_mem_gb']:.1f} GB" if r["peak_mem_gb"] is not None else "-"
         print(f"{r['contender']:11s} {r['ms_per_step']:8.2f} ms/step  {r['seq_per_s']:8.0f} seq/s  check loss "
               f"{r['check_loss']:.4f}  peak {peak}", flush=True)
+        if r.get("graph_replays", args.steps) != args.steps:
+            print(f"WARNING: {r['contender']} replayed CUDA graphs in {r['graph_replays']} of {args.steps} timed steps")
     digests = {r["inputs_digest"] for r in results}
     if len(digests) > 1:
         print(f"WARNING: the contenders started from different weights or batches (digests {sorted(digests)})")
