@@ -21,6 +21,12 @@ the batches (numpy seed 0), so all see the same ones; each result carries a dige
 parent warns if they differ. A failed worker is reported with its stderr tail; the others go on.
 --same-process runs every contender in this process, one after another.
 
+--probe-order looks for the cause of that slowdown, in one process: fb-triton, hf-compile, fb-triton,
+recording before each run a cuBLAS bf16 GEMM's TFLOP/s (a throttled clock shows there), torch's thread
+count, live child processes (Inductor keeps a compile-worker pool) and this process's threads, and
+after it the host time to issue a step and the configs Triton's autotuner chose for fastbert's kernels.
+Prints the two fb-triton runs side by side; writes e2e_probe_<preset>_s<seq>_b<batch>_<mode>.json.
+
 --device cpu is a smoke test of the plumbing: fp32 (no autocast), wall-clock timing, only the
 contenders that run on a CPU (hf-eager, hf-sdpa, fb-torch; the others are skipped with a line each).
 
@@ -35,6 +41,7 @@ Model FLOPs per step (the same for every contender; padding is never counted):
 MFU divides by the card's dense bf16 peak (989 TFLOP/s for H100/H200 SXM).
 
   python3 benchmarks/e2e_train_step.py --preset large --seq 128 --batch 128 --mode packed
+  python3 benchmarks/e2e_train_step.py --preset large --seq 128 --batch 128 --probe-order
 """
 from __future__ import annotations
 
@@ -43,7 +50,9 @@ import contextlib
 import gc
 import hashlib
 import json
+import multiprocessing
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,6 +69,7 @@ PEAK_BF16 = 989.4e12
 CONTENDERS = ("hf-eager", "hf-sdpa", "hf-compile", "fb-torch", "fb-triton", "fb-compile", "fb-graphs", "hf-patch")
 NEEDS_GPU = {"hf-compile": "torch.compile", "fb-triton": "Triton kernels", "fb-compile": "Triton kernels",
              "fb-graphs": "CUDA graphs", "hf-patch": "Triton kernels"}
+PROBE_ORDER = ("fb-triton", "hf-compile", "fb-triton")
 GRAPH_WARMUP = 3         # eager (first sight of the shape), capture + replay, replay
 STDERR_TAIL = 30         # lines of a failed worker's stderr to show
 BERT_SPECIAL_IDS, MASK_ID = (0, 100, 101, 102, 103), 103    # [PAD] [UNK] [CLS] [SEP] [MASK] of BERT's vocabulary
@@ -303,17 +313,85 @@ def run_contender(name, inp: Inputs, warmup, steps, device, profile=False):
     return res
 
 
+# ----------------------------------------------------------------------------------------- order probe
+def gemm_tflops(n: int = 8192, reps: int = 10) -> float:
+    """cuBLAS bf16 n^3 GEMM TFLOP/s now (median of ``reps`` after warm-up): a throttled clock shows here."""
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    c = torch.empty_like(a)
+    for _ in range(3):
+        torch.matmul(a, b, out=c)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.matmul(a, b, out=c)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del a, b, c
+    torch.cuda.empty_cache()
+    return 2 * n ** 3 / (statistics.median(times) * 1e-3) / 1e12
+
+
+def process_state() -> dict:
+    """What a previous contender can leave in the process: threads, child processes (Inductor's pool)."""
+    try:
+        import psutil
+        psutil_children = len(psutil.Process().children(recursive=True))
+    except ImportError:
+        psutil_children = None
+    return dict(torch_threads=torch.get_num_threads(), mp_children=len(multiprocessing.active_children()),
+                psutil_children=psutil_children, threads=len(os.listdir("/proc/self/task")))
+
+
+def autotuned_configs() -> dict:
+    """Triton's chosen config per key for every autotuned kernel in ``fastbert.ops``."""
+    import importlib
+    import pkgutil
+    import fastbert.ops
+    from triton.runtime.autotuner import Autotuner
+    out, seen = {}, set()
+    for info in pkgutil.iter_modules(fastbert.ops.__path__):
+        module = importlib.import_module(f"fastbert.ops.{info.name}")
+        for attr, value in vars(module).items():
+            if isinstance(value, Autotuner) and id(value) not in seen:
+                seen.add(id(value))
+                out[f"{info.name}.{attr}"] = {str(key): str(config) for key, config in value.cache.items()}
+    return out
+
+
+def print_probe(runs: list) -> None:
+    fb = [r for r in runs if r["contender"] == "fb-triton"]
+    if len(fb) < 2:
+        print("probe: fewer than two fb-triton runs finished, nothing to compare", flush=True)
+        return
+    rows = [("ms/step", "ms_per_step", "{:.2f}"), ("host issue ms/step", "issue_ms_per_step", "{:.2f}"),
+            ("bf16 GEMM TFLOP/s before", "gemm_tflops", "{:.0f}"), ("torch threads", "torch_threads", "{}"),
+            ("child processes (multiprocessing)", "mp_children", "{}"),
+            ("child processes (psutil)", "psutil_children", "{}"), ("process threads", "threads", "{}")]
+    print("\n| fb-triton | first run | after hf-compile |\n|---|---:|---:|")
+    for label, key, fmt in rows:
+        print(f"| {label} | " + " | ".join(fmt.format(r[key]) if r[key] is not None else "-" for r in fb[:2]) + " |")
+    first, second = fb[0]["autotune"], fb[1]["autotune"]
+    changed = [k for k in sorted(set(first) | set(second)) if first.get(k) != second.get(k)]
+    print(f"| autotune configs | {sum(map(len, first.values()))} entries | "
+          f"{'the same' if not changed else 'differ in ' + ', '.join(changed)} |", flush=True)
+
+
 # ----------------------------------------------------------------------------------------- runners
-def run_here(names, args, device):
+def run_here(names, args, device, probe=False):
     """Every contender in this process, in order; yields each result (None for a failed one)."""
     inp = Inputs.make(args, device)
     for name in names:
+        before = dict(gemm_tflops=gemm_tflops(), **process_state()) if probe else None
         try:
             r = run_contender(name, inp, args.warmup, args.steps, device, profile=name in args.profile.split(","))
         except Exception as e:  # report and go on: one broken contender must not hide the others
             print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
             yield None
             continue
+        if probe:
+            r["probe"] = dict(before, autotune=autotuned_configs())
         yield r
 
 
@@ -357,6 +435,8 @@ def parse_args(argv):
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--same-process", action="store_true",
                    help="run every contender in this process, one after another (no worker processes)")
+    p.add_argument("--probe-order", action="store_true",
+                   help="fb-triton, hf-compile, fb-triton in one process, with what may differ between the runs")
     p.add_argument("--out", default=os.environ.get("OUT"))
     p.add_argument("--profile", default="", help="comma-separated contenders to profile (torch profiler, 3 steps)")
     p.add_argument("--worker", help=argparse.SUPPRESS)       # run this one contender (spawned by the parent)
@@ -369,6 +449,8 @@ def parse_args(argv):
         p.error("--steps must be at least 1 and --warmup at least 0")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("no CUDA device; --device cpu runs the smoke test")
+    if args.probe_order and args.device != "cuda":
+        p.error("--probe-order needs --device cuda")
     if args.worker and not args.worker_out:
         p.error("--worker needs --worker-out")
     return args
@@ -393,13 +475,13 @@ def main(argv=None):
     print(f"# {card}, torch {torch.__version__}, transformers {transformers.__version__}; {args.preset} "
           f"seq {args.seq} batch {args.batch} mode {args.mode}: {real / args.batch:.1f} real tokens/seq, "
           f"{flops / 1e12:.2f} model TFLOP/step", flush=True)
-    names = args.contenders.split(",")
+    names = list(PROBE_ORDER) if args.probe_order else args.contenders.split(",")
     if device.type == "cpu":
         for name in [n for n in names if n in NEEDS_GPU]:
             print(f"{name}: skipped on --device cpu (needs {NEEDS_GPU[name]} on a GPU)", flush=True)
         names = [n for n in names if n not in NEEDS_GPU]
-    if args.same_process:
-        runs = run_here(names, args, device)
+    if args.same_process or args.probe_order:
+        runs = run_here(names, args, device, probe=args.probe_order)
     else:
         runs = (run_in_worker(name, argv) for name in names)
     results = []
@@ -418,10 +500,18 @@ def main(argv=None):
     digests = {r["inputs_digest"] for r in results}
     if len(digests) > 1:
         print(f"WARNING: the contenders started from different weights or batches (digests {sorted(digests)})")
-    print_table(results)
+    if args.probe_order:
+        probe = [dict(contender=r["contender"], ms_per_step=r["ms_per_step"],
+                      issue_ms_per_step=r["issue_ms_per_step"], **r.pop("probe")) for r in results]
+        print_probe(probe)
+        report, stem = dict(card=card, args=vars(args), flops_per_step=flops, results=results,
+                            probe=dict(order=list(PROBE_ORDER), runs=probe)), "e2e_probe"
+    else:
+        print_table(results)
+        report, stem = dict(card=card, args=vars(args), flops_per_step=flops, results=results), "e2e"
     if args.out:
-        path = Path(args.out) / f"e2e_{args.preset}_s{args.seq}_b{args.batch}_{args.mode}.json"
-        path.write_text(json.dumps(dict(card=card, args=vars(args), flops_per_step=flops, results=results), indent=2))
+        path = Path(args.out) / f"{stem}_{args.preset}_s{args.seq}_b{args.batch}_{args.mode}.json"
+        path.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

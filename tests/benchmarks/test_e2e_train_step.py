@@ -1,7 +1,7 @@
 """benchmarks/e2e_train_step.py on the CPU: each contender, in its own worker process or all in one,
 starts from the same weights and batches (equal eval losses and input digests); a failed worker is
 reported and the others go on; fb-graphs' conversion of a benchmark batch into the pretrain loader's
-static-shape form gives the padded call's loss."""
+static-shape form gives the padded call's loss; --probe-order's report finds fastbert's autotuned kernels."""
 import importlib.util
 import json
 import subprocess
@@ -70,3 +70,20 @@ def test_packed_batch_gives_the_padded_loss(mode):
         padded_loss = bench.first_loss(model, batch, nullcontext())
         packed_loss = bench.first_loss(model, {"packed": packed}, nullcontext())
         assert abs(packed_loss - padded_loss) < 1e-5, (packed_loss, padded_loss)
+
+
+def test_probe_report_without_a_gpu(capsys):
+    """--probe-order's GPU-free parts: the autotuned fastbert kernels are found, the two fb-triton runs
+    are put side by side (the GEMM probe and the runs themselves need a GPU)."""
+    pytest.importorskip("triton")
+    bench = load_bench()
+    tuned = bench.autotuned_configs()
+    assert {"ffn._linear_bias_gelu_kernel", "mlm_loss._lce_fwd_kernel", "mlm_loss._lce_bwd_kernel"} <= set(tuned)
+    state = bench.process_state()
+    assert state["threads"] >= 1 and state["torch_threads"] == torch.get_num_threads()
+    run = dict(contender="fb-triton", ms_per_step=85.0, issue_ms_per_step=60.0, gemm_tflops=700.0, **state,
+               autotune={"ffn.k": {"(1,)": "BLOCK_M: 64"}})
+    bench.print_probe([run, dict(run, contender="hf-compile"),
+                       dict(run, ms_per_step=121.0, autotune={"ffn.k": {"(1,)": "BLOCK_M: 128"}})])
+    out = capsys.readouterr().out
+    assert "| ms/step | 85.00 | 121.00 |" in out and "differ in ffn.k" in out
