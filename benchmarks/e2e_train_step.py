@@ -1,16 +1,38 @@
 """End-to-end training-step benchmark: full optimizer steps of BertForPreTraining, fastbert vs HF.
 
-One process, one card, the same batches for every contender: 15% of real tokens masked (80/10/10 is
-irrelevant to speed, so masked ids are kept), NSP labels, and either
+One card, the same batches for every contender: 15% of real tokens masked (80/10/10 is irrelevant to
+speed, so masked ids are kept), NSP labels, and either
   padded: lengths drawn from real Wikipedia paragraph lengths (benchmarks/data), padded to --seq, or
   packed: every sequence full (what `fastbert prepare` produces: packed segments),
   sst2:   real SST-2 sentence lengths padded to --seq (the fine-tuning shape).
 Contenders: hf-eager, hf-sdpa, hf-compile (SDPA + torch.compile), fb-torch, fb-triton, fb-compile
-(fb-triton under torch.compile: Inductor fuses the glue around the fastbert custom ops), hf-patch
-(HF SDPA model + fastbert.patch). All run bf16 autocast over fp32 weights with fused AdamW.
+(fb-triton under torch.compile: Inductor fuses the glue around the fastbert custom ops), fb-graphs
+(fb-triton's model stepped as the `fastbert pretrain` loop steps it: each batch in the loader's
+static-shape `packed=` form, one sequence a row, MLM targets in the masking collator's fixed slots, the
+sparse MLM head, forward + backward replayed from CUDA graphs, training/cuda_graphs.py; no DeepSpeed and
+no clipping, as for the others; rows are encoded whole, padding included as its own segments, so in
+padded / sst2 mode it does more work than fb-triton), hf-patch (HF SDPA model + fastbert.patch). All
+run bf16 autocast over fp32 weights with fused AdamW.
+
+Isolation: every contender runs in a fresh worker process (this script with --worker), since what one
+contender leaves in a process slows the next (fb-triton: 85 ms/step alone, 121 right after hf-compile).
+Each worker rebuilds the shared initial weights (HF's init on the CPU after torch.manual_seed(0)) and
+the batches (numpy seed 0), so all see the same ones; each result carries a digest of both and the
+parent warns if they differ. A failed worker is reported with its stderr tail; the others go on.
+--same-process runs every contender in this process, one after another.
+
+--probe-order looks for the cause of that slowdown, in one process: fb-triton, hf-compile, fb-triton,
+recording before each run a cuBLAS bf16 GEMM's TFLOP/s (a throttled clock shows there), torch's thread
+count, live child processes (Inductor keeps a compile-worker pool) and this process's threads, and
+after it the host time to issue a step and the configs Triton's autotuner chose for fastbert's kernels.
+Prints the two fb-triton runs side by side; writes e2e_probe_<preset>_s<seq>_b<batch>_<mode>.json.
+
+--device cpu is a smoke test of the plumbing: fp32 (no autocast), wall-clock timing, only the
+contenders that run on a CPU (hf-eager, hf-sdpa, fb-torch; the others are skipped with a line each).
 
 Before timing, every contender's first-batch loss (eval mode, shared weights) is checked against
-HF SDPA's. Timing: CUDA events around --steps full steps after --warmup steps.
+HF SDPA's (fb-graphs: its packed forward's). Timing: CUDA events around --steps full steps after
+--warmup steps (fb-graphs at least 3: a shape runs eagerly when first seen, is captured the second time).
 
 Model FLOPs per step (the same for every contender; padding is never counted):
   6 * T * L * (4H^2 + 2HI)              dense matmuls, T real tokens
@@ -19,23 +41,38 @@ Model FLOPs per step (the same for every contender; padding is never counted):
 MFU divides by the card's dense bf16 peak (989 TFLOP/s for H100/H200 SXM).
 
   python3 benchmarks/e2e_train_step.py --preset large --seq 128 --batch 128 --mode packed
+  python3 benchmarks/e2e_train_step.py --preset large --seq 128 --batch 128 --probe-order
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import hashlib
 import json
+import multiprocessing
 import os
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent
 PEAK_BF16 = 989.4e12
-CONTENDERS = ("hf-eager", "hf-sdpa", "hf-compile", "fb-torch", "fb-triton", "fb-compile", "hf-patch")
+CONTENDERS = ("hf-eager", "hf-sdpa", "hf-compile", "fb-torch", "fb-triton", "fb-compile", "fb-graphs", "hf-patch")
+NEEDS_GPU = {"hf-compile": "torch.compile", "fb-triton": "Triton kernels", "fb-compile": "Triton kernels",
+             "fb-graphs": "CUDA graphs", "hf-patch": "Triton kernels"}
+PROBE_ORDER = ("fb-triton", "hf-compile", "fb-triton")
+GRAPH_WARMUP = 3         # eager (first sight of the shape), capture + replay, replay
+STDERR_TAIL = 30         # lines of a failed worker's stderr to show
+BERT_SPECIAL_IDS, MASK_ID = (0, 100, 101, 102, 103), 103    # [PAD] [UNK] [CLS] [SEP] [MASK] of BERT's vocabulary
 
 
 def lengths_for(mode: str, batch: int, seq: int, rng: np.random.Generator) -> np.ndarray:
@@ -48,7 +85,8 @@ def lengths_for(mode: str, batch: int, seq: int, rng: np.random.Generator) -> np
     return np.minimum(lengths, seq)
 
 
-def make_batches(n, batch, seq, vocab, mode, seed=0):
+def make_batches(n, batch, seq, vocab, mode, device, seed=0):
+    """HF-style batches; drawn from one numpy generator, so every process gets the same ones."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
@@ -61,10 +99,43 @@ def make_batches(n, batch, seq, vocab, mode, seed=0):
         pick = (rng.random((batch, seq)) < 0.15) & mask
         pick[:, 0] = False
         labels = np.where(pick, ids, -100)
-        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).long().cuda()  # noqa: E731
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).long().to(device)  # noqa: E731
         out.append(dict(input_ids=t(ids), attention_mask=t(mask), token_type_ids=t(types), labels=t(labels),
                         next_sentence_label=t(rng.integers(0, 2, size=batch))))
     return out
+
+
+def mlm_slots(batches, vocab_size: int) -> int:
+    """One MLM slot count for all batches (one captured shape): what the masking collator gives this batch
+    geometry (``MaskingCollator.capacity``, what the pretrain loader pads to), raised where the benchmark's
+    per-token 15% draw picked more tokens than the collator's per-row rule ever does."""
+    from fastbert.data.masking import MaskingCollator
+    rows, seq = batches[0]["input_ids"].shape
+    capacity = MaskingCollator(vocab_size, BERT_SPECIAL_IDS, MASK_ID).capacity(rows, seq)
+    return max(capacity, max(int((b["labels"] != -100).sum()) for b in batches))
+
+
+def packed_batch(batch: dict, slots: int) -> dict:
+    """``batch`` in the static-shape form the pretrain loader feeds ``model(packed=...)``: rows built by
+    ``data/static_batch.build_rows`` (one sequence a row, per_row=1: the same tokens, token types and NSP
+    labels), the masked positions laid out as ``MaskingCollator.masked_slots`` lays them out (flat
+    positions in order, then unused slots at 0 with target -100). Built on the host, once."""
+    from fastbert.data.static_batch import build_rows
+    ids, mask, labels, nsp = (batch[k].cpu().numpy() for k in ("input_ids", "attention_mask", "labels",
+                                                               "next_sentence_label"))
+    seq = ids.shape[1]
+    # make_batches starts segment B (token type 1) at half the length
+    rows = [[(ids[r, :n], n // 2, nsp[r])] for r, n in enumerate(mask.sum(1))]
+    arrays = build_rows(rows, seq, per_row=1, pad_id=0, nsp=True)
+    chosen = np.flatnonzero(labels.reshape(-1) != -100)
+    positions = np.zeros(slots, dtype=np.int64)
+    targets = np.full(slots, -100, dtype=np.int64)
+    positions[:len(chosen)], targets[:len(chosen)] = chosen, labels.reshape(-1)[chosen]
+    t = lambda a: torch.as_tensor(a, device=batch["input_ids"].device)  # noqa: E731
+    return dict(input_ids=t(arrays["input_ids"]), token_type_ids=t(arrays["token_type_ids"]),
+                position_ids=t(arrays["position_ids"]), cu_seqlens=t(arrays["cu_seqlens"]), max_seqlen=seq,
+                mlm_positions=t(positions), mlm_targets=t(targets), cls_positions=t(arrays["cls_positions"]),
+                next_sentence_label=t(arrays["next_sentence_label"]))
 
 
 def model_flops(batch, cfg) -> float:
@@ -84,7 +155,33 @@ def hf_config(preset: str, seq: int):
     return transformers.BertConfig(**d), fb
 
 
-def build(name, hf_state, hcfg, fcfg):
+@dataclass
+class Inputs:
+    """What every contender starts from: the same in every process (fixed seeds; weights drawn on the CPU)."""
+    hcfg: object                  # transformers.BertConfig
+    fcfg: object                  # fastbert.BertConfig
+    hf_state: dict                # HF's initial weights
+    batches: list
+    digest: str                   # of the weights and batches: equal across workers, or the parent warns
+
+    @classmethod
+    def make(cls, args, device) -> "Inputs":
+        import transformers
+        hcfg, fcfg = hf_config(args.preset, args.seq)
+        torch.manual_seed(0)
+        hf_state = transformers.BertForPreTraining(hcfg).state_dict()
+        batches = make_batches(8, args.batch, args.seq, fcfg.vocab_size, args.mode, device)
+        h = hashlib.sha1()
+        for name, t in sorted(hf_state.items()):
+            h.update(name.encode())
+            h.update(t.detach().contiguous().view(torch.uint8).numpy())
+        for b in batches:
+            for k in sorted(b):
+                h.update(b[k].cpu().numpy().tobytes())
+        return cls(hcfg, fcfg, hf_state, batches, h.hexdigest()[:16])
+
+
+def build(name, hf_state, hcfg, fcfg, device):
     import transformers
     import fastbert
     from fastbert.hf import load_converted
@@ -94,7 +191,7 @@ def build(name, hf_state, hcfg, fcfg):
             else transformers.BertForPreTraining(hcfg)
         model.config._attn_implementation = impl
         model.load_state_dict(hf_state, strict=False)
-        model = model.cuda()
+        model = model.to(device)
         if name == "hf-patch":
             fastbert.patch(model, kernels="triton")
         step_model = torch.compile(model) if name == "hf-compile" else model
@@ -102,7 +199,7 @@ def build(name, hf_state, hcfg, fcfg):
     cfg = fcfg.replace(kernels="torch" if name == "fb-torch" else "triton")
     model = fastbert.BertForPreTraining(cfg)
     load_converted(model, hf_state)
-    model = model.cuda()
+    model = model.to(device)
     return model, (torch.compile(model) if name == "fb-compile" else model)
 
 
@@ -112,96 +209,206 @@ def _takes_impl():
     return "attn_implementation" in inspect.signature(transformers.BertForPreTraining.__init__).parameters
 
 
-def first_loss(step_model, batch):
+def autocast_for(device: torch.device):
+    """bf16 autocast on the GPU; fp32 on the CPU (the smoke test checks plumbing, not speed)."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def first_loss(step_model, kwargs, autocast):
     step_model.eval()
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = step_model(**batch).loss.float().item()
+    with torch.no_grad(), autocast:
+        loss = step_model(**kwargs).loss.float().item()
     step_model.train()
     return loss
 
 
-def run_contender(name, batches, hf_state, hcfg, fcfg, warmup, steps, profile=False):
-    model, step_model = build(name, hf_state, hcfg, fcfg)
-    check = first_loss(step_model, batches[0])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01, fused=True)
-
-    def step(b):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = step_model(**b).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    t0 = time.time()
-    for i in range(warmup):
-        step(batches[i % len(batches)])
-    torch.cuda.synchronize()
-    compile_s = time.time() - t0
-    torch.cuda.reset_peak_memory_stats()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+def timed_steps(step, inputs, steps, device):
+    """(ms per step, host ms per step to issue them, last loss). On the GPU the issue time is the wall time
+    of the loop before the final synchronize (it includes any wait for the allocator or a full launch
+    queue); on the CPU both are the wall time."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
     for i in range(steps):
-        loss = step(batches[i % len(batches)])
+        loss = step(inputs[i % len(inputs)])
+    issue_ms = (time.perf_counter() - t0) * 1e3 / steps
+    if device.type != "cuda":
+        return issue_ms, issue_ms, loss
     end.record()
     torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / steps
-    if profile:
-        from torch.profiler import ProfilerActivity, profile as torch_profile
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for i in range(3):
-                step(batches[i % len(batches)])
-            torch.cuda.synchronize()
-        print(f"--- profile {name} (3 steps) ---")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
-    res = dict(contender=name, ms_per_step=ms, check_loss=check, final_loss=float(loss.detach()), warmup_s=compile_s,
-               peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30)
-    del model, step_model, opt
+    return start.elapsed_time(end) / steps, issue_ms, loss
+
+
+def run_contender(name, inp: Inputs, warmup, steps, device, profile=False):
+    model, step_model = build(name, inp.hf_state, inp.hcfg, inp.fcfg, device)
+    autocast = autocast_for(device)
+    graphs, batches = None, inp.batches
+    if name == "fb-graphs":
+        from fastbert.training.cuda_graphs import GraphedModel
+        graphs = GraphedModel(model, "bf16")
+        graphs.activate()  # the training stream, before any backward makes gradient accumulators (as the engine)
+        slots = mlm_slots(batches, inp.fcfg.vocab_size)
+        batches = [{"packed": packed_batch(b, slots)} for b in batches]
+        warmup = max(warmup, GRAPH_WARMUP)
+    try:
+        # fb-graphs: the packed forward. Its loss is normalised as HF's (MLM mean over the masked tokens, unused
+        # slots weigh 0; NSP mean over the sequences), so it differs from HF's padded loss only by arithmetic
+        # (other kernels, summation order, bf16): ~1e-2 at most here, ~1e-6 in fp32 (tests/benchmarks).
+        check = first_loss(step_model, batches[0], autocast)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01,
+                                fused=True)
+
+        def step(kw):
+            # As TrainEngine: a graph's output, else the eager model (first sight of a shape, eval); no outer
+            # autocast around the graphs, they capture under their own. One micro-batch a step, so the engine
+            # never calls graphs.own_grads() and DeepSpeed's ZeRO-0 step sets the gradients to None.
+            out = graphs(kw["packed"]) if graphs is not None else None
+            if out is None:
+                with autocast:
+                    out = step_model(**kw)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return out.loss
+
+        t0 = time.time()
+        for i in range(warmup):
+            step(batches[i % len(batches)])
+        synchronize(device)
+        compile_s = time.time() - t0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        replays = graphs.replays if graphs is not None else 0
+        ms, issue_ms, loss = timed_steps(step, batches, steps, device)
+        replays = graphs.replays - replays if graphs is not None else 0    # == steps when every step replayed
+        if profile:
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            with torch_profile(activities=activities) as prof:
+                for i in range(3):
+                    step(batches[i % len(batches)])
+                synchronize(device)
+            print(f"--- profile {name} (3 steps) ---")
+            sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+            print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60), flush=True)
+        res = dict(contender=name, ms_per_step=ms, issue_ms_per_step=issue_ms, check_loss=check,
+                   final_loss=float(loss.detach()), warmup_s=compile_s, inputs_digest=inp.digest,
+                   peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None)
+        if graphs is not None:
+            res["graph_replays"] = replays
+    finally:
+        if graphs is not None:
+            synchronize(device)
+            torch.cuda.set_stream(torch.cuda.default_stream())
+    del model, step_model, graphs, opt, step
     gc.collect()
-    torch.cuda.empty_cache()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return res
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="large")
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--mode", choices=("packed", "padded", "sst2"), default="packed")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--contenders", default=",".join(CONTENDERS))
-    p.add_argument("--out", default=os.environ.get("OUT"))
-    p.add_argument("--profile", default="", help="comma-separated contenders to profile (torch profiler, 3 steps)")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("e2e_train_step.py needs a CUDA device")
-    torch.backends.cuda.matmul.allow_tf32 = True
-    hcfg, fcfg = hf_config(args.preset, args.seq)
-    import transformers
-    torch.manual_seed(0)
-    hf_state = transformers.BertForPreTraining(hcfg).state_dict()
-    batches = make_batches(8, args.batch, args.seq, fcfg.vocab_size, args.mode)
-    flops = np.mean([model_flops(b, fcfg) for b in batches])
-    real = np.mean([float(b["attention_mask"].sum()) for b in batches])
-    card = torch.cuda.get_device_name()
-    print(f"# {card}, torch {torch.__version__}, transformers {transformers.__version__}; {args.preset} "
-          f"seq {args.seq} batch {args.batch} mode {args.mode}: {real / args.batch:.1f} real tokens/seq, "
-          f"{flops / 1e12:.2f} model TFLOP/step", flush=True)
-    results = []
-    for name in args.contenders.split(","):
+# ----------------------------------------------------------------------------------------- order probe
+def gemm_tflops(n: int = 8192, reps: int = 10) -> float:
+    """cuBLAS bf16 n^3 GEMM TFLOP/s now (median of ``reps`` after warm-up): a throttled clock shows here."""
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    c = torch.empty_like(a)
+    for _ in range(3):
+        torch.matmul(a, b, out=c)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.matmul(a, b, out=c)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del a, b, c
+    torch.cuda.empty_cache()
+    return 2 * n ** 3 / (statistics.median(times) * 1e-3) / 1e12
+
+
+def process_state() -> dict:
+    """What a previous contender can leave in the process: threads, child processes (Inductor's pool)."""
+    try:
+        import psutil
+        psutil_children = len(psutil.Process().children(recursive=True))
+    except ImportError:
+        psutil_children = None
+    return dict(torch_threads=torch.get_num_threads(), mp_children=len(multiprocessing.active_children()),
+                psutil_children=psutil_children, threads=len(os.listdir("/proc/self/task")))
+
+
+def autotuned_configs() -> dict:
+    """Triton's chosen config per key for every autotuned kernel in ``fastbert.ops``."""
+    import importlib
+    import pkgutil
+    import fastbert.ops
+    from triton.runtime.autotuner import Autotuner
+    out, seen = {}, set()
+    for info in pkgutil.iter_modules(fastbert.ops.__path__):
+        module = importlib.import_module(f"fastbert.ops.{info.name}")
+        for attr, value in vars(module).items():
+            if isinstance(value, Autotuner) and id(value) not in seen:
+                seen.add(id(value))
+                out[f"{info.name}.{attr}"] = {str(key): str(config) for key, config in value.cache.items()}
+    return out
+
+
+def print_probe(runs: list) -> None:
+    fb = [r for r in runs if r["contender"] == "fb-triton"]
+    if len(fb) < 2:
+        print("probe: fewer than two fb-triton runs finished, nothing to compare", flush=True)
+        return
+    rows = [("ms/step", "ms_per_step", "{:.2f}"), ("host issue ms/step", "issue_ms_per_step", "{:.2f}"),
+            ("bf16 GEMM TFLOP/s before", "gemm_tflops", "{:.0f}"), ("torch threads", "torch_threads", "{}"),
+            ("child processes (multiprocessing)", "mp_children", "{}"),
+            ("child processes (psutil)", "psutil_children", "{}"), ("process threads", "threads", "{}")]
+    print("\n| fb-triton | first run | after hf-compile |\n|---|---:|---:|")
+    for label, key, fmt in rows:
+        print(f"| {label} | " + " | ".join(fmt.format(r[key]) if r[key] is not None else "-" for r in fb[:2]) + " |")
+    first, second = fb[0]["autotune"], fb[1]["autotune"]
+    changed = [k for k in sorted(set(first) | set(second)) if first.get(k) != second.get(k)]
+    print(f"| autotune configs | {sum(map(len, first.values()))} entries | "
+          f"{'the same' if not changed else 'differ in ' + ', '.join(changed)} |", flush=True)
+
+
+# ----------------------------------------------------------------------------------------- runners
+def run_here(names, args, device, probe=False):
+    """Every contender in this process, in order; yields each result (None for a failed one)."""
+    inp = Inputs.make(args, device)
+    for name in names:
+        before = dict(gemm_tflops=gemm_tflops(), **process_state()) if probe else None
         try:
-            r = run_contender(name, batches, hf_state, hcfg, fcfg, args.warmup, args.steps,
-                              profile=name in args.profile.split(","))
+            r = run_contender(name, inp, args.warmup, args.steps, device, profile=name in args.profile.split(","))
         except Exception as e:  # report and go on: one broken contender must not hide the others
             print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
+            yield None
             continue
-        r.update(seq_per_s=args.batch / r["ms_per_step"] * 1e3, tokens_per_s=real / r["ms_per_step"] * 1e3,
-                 tflops=flops / r["ms_per_step"] / 1e9)
-        r["mfu"] = r["tflops"] * 1e12 / PEAK_BF16
-        results.append(r)
-        print(f"{name:11s} {r['ms_per_step']:8.2f} ms/step  {r['seq_per_s']:8.0f} seq/s  check loss "
-              f"{r['check_loss']:.4f}  peak {r['peak_mem_gb']:.1f} GB", flush=True)
+        if probe:
+            r["probe"] = dict(before, autotune=autotuned_configs())
+        yield r
+
+
+def run_in_worker(name: str, argv: list) -> Optional[dict]:
+    """One contender in a fresh process (this script with ``--worker``); None, with its stderr tail, if it failed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker", name, "--worker-out", str(out)]
+        proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
+        if proc.returncode == 0 and out.is_file():
+            return json.loads(out.read_text())
+    tail = "\n".join("    " + line for line in proc.stderr.rstrip().splitlines()[-STDERR_TAIL:])
+    print(f"{name}: FAILED (worker exit code {proc.returncode})\n{tail}", flush=True)
+    return None
+
+
+def print_table(results: list) -> None:
     base = {r["contender"]: r for r in results}
     ref = base.get("hf-sdpa")
     print("\n| contender | ms/step | seq/s | tokens/s | model TFLOP/s | MFU | peak GB | loss diff vs hf-sdpa | "
@@ -210,12 +417,101 @@ def main(argv=None):
     for r in results:
         sp = lambda k: f"{base[k]['ms_per_step'] / r['ms_per_step']:.2f}" if k in base else "-"  # noqa: E731
         diff = f"{abs(r['check_loss'] - ref['check_loss']):.4f}" if ref else "-"
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+        peak = f"{r['peak_mem_gb']:.1f}" if r["peak_mem_gb"] is not None else "-"
         print(f"| {r['contender']} | {r['ms_per_step']:.2f} | {r['seq_per_s']:.0f} | {r['tokens_per_s']:.0f} | "
-              f"{r['tflops']:.0f} | {r['mfu']:.1%} | {r['peak_mem_gb']:.1f} | {diff} | {sp('hf-sdpa')} | "
-              f"{sp('hf-compile')} |")
+              f"{r['tflops']:.0f} | {mfu} | {peak} | {diff} | {sp('hf-sdpa')} | {sp('hf-compile')} |", flush=True)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="large")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--mode", choices=("packed", "padded", "sst2"), default="packed")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--same-process", action="store_true",
+                   help="run every contender in this process, one after another (no worker processes)")
+    p.add_argument("--probe-order", action="store_true",
+                   help="fb-triton, hf-compile, fb-triton in one process, with what may differ between the runs")
+    p.add_argument("--out", default=os.environ.get("OUT"))
+    p.add_argument("--profile", default="", help="comma-separated contenders to profile (torch profiler, 3 steps)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)       # run this one contender (spawned by the parent)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)   # where the worker writes its result
+    args = p.parse_args(argv)
+    unknown = [n for n in args.contenders.split(",") if n not in CONTENDERS]
+    if unknown:
+        p.error(f"unknown contenders {unknown}; choose from {', '.join(CONTENDERS)}")
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be at least 1 and --warmup at least 0")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("no CUDA device; --device cpu runs the smoke test")
+    if args.probe_order and args.device != "cuda":
+        p.error("--probe-order needs --device cuda")
+    if args.worker and not args.worker_out:
+        p.error("--worker needs --worker-out")
+    return args
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    if args.worker:      # errors propagate: the parent shows the traceback's tail
+        r = run_contender(args.worker, Inputs.make(args, device), args.warmup, args.steps, device,
+                          profile=args.worker in args.profile.split(","))
+        Path(args.worker_out).write_text(json.dumps(r))
+        return
+    import transformers
+    hcfg, fcfg = hf_config(args.preset, args.seq)
+    batches = make_batches(8, args.batch, args.seq, fcfg.vocab_size, args.mode, "cpu")
+    flops = np.mean([model_flops(b, fcfg) for b in batches])
+    real = np.mean([float(b["attention_mask"].sum()) for b in batches])
+    card = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    print(f"# {card}, torch {torch.__version__}, transformers {transformers.__version__}; {args.preset} "
+          f"seq {args.seq} batch {args.batch} mode {args.mode}: {real / args.batch:.1f} real tokens/seq, "
+          f"{flops / 1e12:.2f} model TFLOP/step", flush=True)
+    names = list(PROBE_ORDER) if args.probe_order else args.contenders.split(",")
+    if device.type == "cpu":
+        for name in [n for n in names if n in NEEDS_GPU]:
+            print(f"{name}: skipped on --device cpu (needs {NEEDS_GPU[name]} on a GPU)", flush=True)
+        names = [n for n in names if n not in NEEDS_GPU]
+    if args.same_process or args.probe_order:
+        runs = run_here(names, args, device, probe=args.probe_order)
+    else:
+        runs = (run_in_worker(name, argv) for name in names)
+    results = []
+    for r in runs:
+        if r is None:
+            continue
+        r.update(seq_per_s=args.batch / r["ms_per_step"] * 1e3, tokens_per_s=real / r["ms_per_step"] * 1e3,
+                 tflops=flops / r["ms_per_step"] / 1e9)
+        r["mfu"] = r["tflops"] * 1e12 / PEAK_BF16 if device.type == "cuda" else None
+        results.append(r)
+        peak = f"{r['peak_mem_gb']:.1f} GB" if r["peak_mem_gb"] is not None else "-"
+        print(f"{r['contender']:11s} {r['ms_per_step']:8.2f} ms/step  {r['seq_per_s']:8.0f} seq/s  check loss "
+              f"{r['check_loss']:.4f}  peak {peak}", flush=True)
+        if r.get("graph_replays", args.steps) != args.steps:
+            print(f"WARNING: {r['contender']} replayed CUDA graphs in {r['graph_replays']} of {args.steps} timed steps")
+    digests = {r["inputs_digest"] for r in results}
+    if len(digests) > 1:
+        print(f"WARNING: the contenders started from different weights or batches (digests {sorted(digests)})")
+    if args.probe_order:
+        probe = [dict(contender=r["contender"], ms_per_step=r["ms_per_step"],
+                      issue_ms_per_step=r["issue_ms_per_step"], **r.pop("probe")) for r in results]
+        print_probe(probe)
+        report, stem = dict(card=card, args=vars(args), flops_per_step=flops, results=results,
+                            probe=dict(order=list(PROBE_ORDER), runs=probe)), "e2e_probe"
+    else:
+        print_table(results)
+        report, stem = dict(card=card, args=vars(args), flops_per_step=flops, results=results), "e2e"
     if args.out:
-        path = Path(args.out) / f"e2e_{args.preset}_s{args.seq}_b{args.batch}_{args.mode}.json"
-        path.write_text(json.dumps(dict(card=card, args=vars(args), flops_per_step=flops, results=results), indent=2))
+        path = Path(args.out) / f"{stem}_{args.preset}_s{args.seq}_b{args.batch}_{args.mode}.json"
+        path.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":
