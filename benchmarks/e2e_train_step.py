@@ -11,8 +11,10 @@ Contenders: hf-eager, hf-sdpa, hf-compile (SDPA + torch.compile), fb-torch, fb-t
 static-shape `packed=` form, one sequence a row, MLM targets in the masking collator's fixed slots, the
 sparse MLM head, forward + backward replayed from CUDA graphs, training/cuda_graphs.py; no DeepSpeed and
 no clipping, as for the others; rows are encoded whole, padding included as its own segments, so in
-padded / sst2 mode it does more work than fb-triton), hf-patch (HF SDPA model + fastbert.patch). All
-run bf16 autocast over fp32 weights with fused AdamW.
+padded / sst2 mode it does more work than fb-triton), hf-patch (HF SDPA model + fastbert.patch),
+fb-fp8 / fb-fp8-graphs (fb-triton / fb-graphs with BertConfig.fp8: the encoder's GEMMs in FP8 with delayed
+scaling, what `train.precision=fp8` runs; asked for by name). All run bf16 autocast over fp32 weights with
+fused AdamW.
 
 Isolation: every contender runs in a fresh worker process (this script with --worker), since what one
 contender leaves in a process slows the next (fb-triton: 85 ms/step alone, 121 right after hf-compile).
@@ -66,9 +68,12 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 PEAK_BF16 = 989.4e12
-CONTENDERS = ("hf-eager", "hf-sdpa", "hf-compile", "fb-torch", "fb-triton", "fb-compile", "fb-graphs", "hf-patch")
+CONTENDERS = ("hf-eager", "hf-sdpa", "hf-compile", "fb-torch", "fb-triton", "fb-compile", "fb-graphs", "hf-patch",
+              "fb-fp8", "fb-fp8-graphs")
 NEEDS_GPU = {"hf-compile": "torch.compile", "fb-triton": "Triton kernels", "fb-compile": "Triton kernels",
-             "fb-graphs": "CUDA graphs", "hf-patch": "Triton kernels"}
+             "fb-graphs": "CUDA graphs", "hf-patch": "Triton kernels", "fb-fp8": "FP8 tensor cores",
+             "fb-fp8-graphs": "FP8 tensor cores and CUDA graphs"}
+DEFAULT = [c for c in CONTENDERS if "fp8" not in c]   # FP8 needs an Ada/Hopper card: asked for by name
 PROBE_ORDER = ("fb-triton", "hf-compile", "fb-triton")
 GRAPH_WARMUP = 3         # eager (first sight of the shape), capture + replay, replay
 STDERR_TAIL = 30         # lines of a failed worker's stderr to show
@@ -196,7 +201,7 @@ def build(name, hf_state, hcfg, fcfg, device):
             fastbert.patch(model, kernels="triton")
         step_model = torch.compile(model) if name == "hf-compile" else model
         return model, step_model
-    cfg = fcfg.replace(kernels="torch" if name == "fb-torch" else "triton")
+    cfg = fcfg.replace(kernels="torch" if name == "fb-torch" else "triton", fp8=name.startswith("fb-fp8"))
     model = fastbert.BertForPreTraining(cfg)
     load_converted(model, hf_state)
     model = model.to(device)
@@ -249,7 +254,7 @@ def run_contender(name, inp: Inputs, warmup, steps, device, profile=False):
     model, step_model = build(name, inp.hf_state, inp.hcfg, inp.fcfg, device)
     autocast = autocast_for(device)
     graphs, batches = None, inp.batches
-    if name == "fb-graphs":
+    if name in ("fb-graphs", "fb-fp8-graphs"):
         from fastbert.training.cuda_graphs import GraphedModel
         graphs = GraphedModel(model, "bf16")
         graphs.activate()  # the training stream, before any backward makes gradient accumulators (as the engine)
@@ -411,16 +416,19 @@ def run_in_worker(name: str, argv: list) -> Optional[dict]:
 def print_table(results: list) -> None:
     base = {r["contender"]: r for r in results}
     ref = base.get("hf-sdpa")
+    # The check loss is an eval forward (FP8 GEMMs run in training forwards only); the last training loss
+    # (same batches, init and step count everywhere) is where FP8's rounding would show.
     print("\n| contender | ms/step | seq/s | tokens/s | model TFLOP/s | MFU | peak GB | loss diff vs hf-sdpa | "
-          "x hf-sdpa | x hf-compile |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "last train loss | x hf-sdpa | x hf-compile | x fb-triton |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         sp = lambda k: f"{base[k]['ms_per_step'] / r['ms_per_step']:.2f}" if k in base else "-"  # noqa: E731
         diff = f"{abs(r['check_loss'] - ref['check_loss']):.4f}" if ref else "-"
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         peak = f"{r['peak_mem_gb']:.1f}" if r["peak_mem_gb"] is not None else "-"
         print(f"| {r['contender']} | {r['ms_per_step']:.2f} | {r['seq_per_s']:.0f} | {r['tokens_per_s']:.0f} | "
-              f"{r['tflops']:.0f} | {mfu} | {peak} | {diff} | {sp('hf-sdpa')} | {sp('hf-compile')} |", flush=True)
+              f"{r['tflops']:.0f} | {mfu} | {peak} | {diff} | {r['final_loss']:.4f} | {sp('hf-sdpa')} | "
+              f"{sp('hf-compile')} | {sp('fb-triton')} |", flush=True)
 
 
 def parse_args(argv):
@@ -431,7 +439,7 @@ def parse_args(argv):
     p.add_argument("--mode", choices=("packed", "padded", "sst2"), default="packed")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--contenders", default=",".join(DEFAULT))
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--same-process", action="store_true",
                    help="run every contender in this process, one after another (no worker processes)")
