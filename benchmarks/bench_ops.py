@@ -289,13 +289,23 @@ def bench_fp8(h, compile_):
             w8, w8t, sw, _ = cast_fp8(w, history, 1, E4M3)
             t, p = timed(lambda: cast_fp8(x, history, 0, E4M3))
             record("fp8", shape, "cast x (+transpose, amax)", "fastbert", t, p, nbytes=x.numel() * 4, eager_ms=t)
-            if DEV == "cuda":
-                t, p = timed(lambda: torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=DT,
-                                                      use_fast_accum=True))
-                record("fp8", shape, "fwd GEMM alone", "_scaled_mm e4m3", t, p, flops=flops)
-                wb = w.to(DT)
-                t, p = timed(lambda: F.linear(x, wb))
-                record("fp8", shape, "fwd GEMM alone", "bf16 cuBLAS", t, p, flops=flops)
+            if DEV == "cuda":  # each of the three GEMMs alone, FP8 on pre-cast operands beside bf16 cuBLAS
+                from fastbert.ops.fp8 import E5M2
+                g8, g8t, sg, _ = cast_fp8(dy, history, 2, E5M2)
+                wb, dyb = w.to(DT), dy.to(DT)
+                gemms = {
+                    "fwd x W^T": (lambda: torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=DT,
+                                                           use_fast_accum=True), lambda: x @ wb.t()),
+                    "dgrad dy W": (lambda: torch._scaled_mm(g8, w8t.t(), scale_a=sg, scale_b=sw, out_dtype=DT),
+                                   lambda: dyb @ wb),
+                    "wgrad dy^T x": (lambda: torch._scaled_mm(g8t, x8t.t(), scale_a=sg, scale_b=sx,
+                                                              out_dtype=torch.float32), lambda: dyb.t() @ x),
+                }
+                for what, (f8, f16) in gemms.items():
+                    t, p = timed(f8)
+                    record("fp8", shape, f"GEMM {what}", "_scaled_mm fp8", t, p, flops=flops)
+                    t, p = timed(f16)
+                    record("fp8", shape, f"GEMM {what}", "bf16 cuBLAS", t, p, flops=flops)
 
 
 # ----------------------------------------------------------------------------- embeddings

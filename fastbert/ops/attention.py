@@ -353,7 +353,7 @@ _GPU_CONFIGS = {
 }
 _SHORT_BWD_MAX = 128
 # BLOCK -> (query chunk BLOCK_M, num_warps): no spills in the sm_90 compile report (see the kernel).
-_SHORT_BWD_LAUNCH = {16: (16, 4), 32: (32, 4), 64: (32, 4), 128: (32, 8)}
+_SHORT_BWD_LAUNCH = {16: (16, 4), 32: (32, 4), 64: (32, 4), 128: (32, 4)}
 _INTERPRETER_CONFIG = (32, 32, 1, 1)
 
 
