@@ -102,7 +102,8 @@ def cast_fp8_ref(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torch.d
 @triton.jit
 def _cast_fp8_kernel(X, Z, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm, stride_zm,
                      FP8_MAX: tl.constexpr, HISTORY_LEN: tl.constexpr, PRE: tl.constexpr, APPROX_TANH: tl.constexpr,
-                     WITH_COLSUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     WITH_COLSUM: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) tile: scale from the history row's previous slots, cast, store the tile
     and its transpose, fold the tile's finite amax into the current slot; with WITH_COLSUM also the
     tile's fp32 column sums (a bias gradient, reduced over row tiles by the caller). What is cast
@@ -122,12 +123,10 @@ def _cast_fp8_kernel(X, Z, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm
     elif PRE == 2:
         z = tl.load(Z + rows64[:, None] * stride_zm + cols64[None, :], mask=mask, other=0.0).to(tl.float32)
         x = x * gelu_grad(z, APPROX_TANH)
-    xs = tl.clamp(x * scale, -FP8_MAX, FP8_MAX)
-    tl.store(Y + rows64[:, None] * N + cols64[None, :], xs.to(Y.dtype.element_ty), mask=mask)
-    # Transposed in fp32, converted after: Triton 3.6 transposed fp8 tiles from fp32 sources wrongly on an
-    # H100 (the transpose did not match the tile; tests/ops/test_fp8.py). The conversion is elementwise, so
-    # both stores hold the same values.
-    tl.store(YT + cols64[:, None] * M + rows64[None, :], tl.trans(xs).to(YT.dtype.element_ty), mask=tl.trans(mask))
+    y = tl.clamp(x * scale, -FP8_MAX, FP8_MAX).to(Y.dtype.element_ty)
+    tl.store(Y + rows64[:, None] * N + cols64[None, :], y, mask=mask)
+    if TRANSPOSE:
+        tl.store(YT + cols64[:, None] * M + rows64[None, :], tl.trans(y), mask=tl.trans(mask))
     a = tl.abs(x)
     tile_amax = tl.max(tl.max(tl.where(a < float("inf"), a, 0.0), axis=1), axis=0)  # NaN < inf is False
     tl.atomic_max(HIST + cur, tile_amax)
@@ -154,10 +153,16 @@ def cast_fp8_triton(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torc
     grid = (triton.cdiv(m, block), triton.cdiv(n, block))
     parts = torch.empty((grid[0], n) if colsum else (0,), dtype=torch.float32, device=x.device)
     pre = 0 if gelu is None else (1 if z is None else 2)
+    # Triton 3.6 on an H100 stored the transposed tile wrongly for fp32 sources (the weights; seen in
+    # tests/ops/test_fp8.py on the card, 16-bit sources were right): their transpose is torch's copy of the
+    # 1-byte result instead (a weight is small beside the activations).
+    in_kernel = x.dtype != torch.float32
     _cast_fp8_kernel[grid](x, z if z is not None else x, x8, x8t, history.amax[row], history.step, scale_inv, parts,
                            m, n, x.stride(0), z.stride(0) if z is not None else 0, FP8_MAX=FP8_MAX[dtype],
                            HISTORY_LEN=HISTORY, PRE=pre, APPROX_TANH=gelu == "tanh", WITH_COLSUM=colsum,
-                           BLOCK_M=block, BLOCK_N=block, num_warps=4)
+                           TRANSPOSE=in_kernel, BLOCK_M=block, BLOCK_N=block, num_warps=4)
+    if not in_kernel:
+        x8t.copy_(x8.t())
     return x8, x8t, scale_inv, parts.sum(0) if colsum else None
 
 
@@ -175,13 +180,21 @@ def cast_fp8(x, history: AmaxHistory, row: int, dtype: torch.dtype, colsum: bool
 
 
 # ============================================================================= autograd + entry point
+def _scaled_mm_bias(a8, b8, scale_a, scale_b, bias, out_dtype):
+    """The forward GEMM (fast accumulation, as Transformer Engine's forward) with the bias in cuBLASLt's
+    epilogue; an fp32 output (fp32 training) has no bias epilogue there, so the bias is added after."""
+    fused = bias is not None and out_dtype != torch.float32
+    y = torch._scaled_mm(a8, b8, scale_a=scale_a, scale_b=scale_b, bias=bias.to(out_dtype) if fused else None,
+                         out_dtype=out_dtype, use_fast_accum=True)
+    return y + bias.to(out_dtype) if bias is not None and not fused else y
+
+
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, history, rows, out_dtype):
         x8, x8t, sx, _ = cast_fp8(x2, history, rows, E4M3)
         w8, w8t, sw, _ = cast_fp8(weight, history, rows + 1, E4M3)
-        b = bias.to(out_dtype) if bias is not None else None
-        y = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, bias=b, out_dtype=out_dtype, use_fast_accum=True)
+        y = _scaled_mm_bias(x8, w8.t(), sx, sw, bias, out_dtype)
         ctx.save_for_backward(x8t, w8t, sx, sw)
         ctx.history, ctx.rows, ctx.has_bias = history, rows, bias is not None
         ctx.dtypes = (x2.dtype, weight.dtype, bias.dtype if bias is not None else None)
@@ -209,8 +222,7 @@ class _Fp8Ffn(torch.autograd.Function):
         up, down = rows, rows + 3
         x8, x8t, sx, _ = cast_fp8(x2, history, up, E4M3)
         w18, w18t, sw1, _ = cast_fp8(w1, history, up + 1, E4M3)
-        b = b1.to(out_dtype) if b1 is not None else None
-        z = torch._scaled_mm(x8, w18.t(), scale_a=sx, scale_b=sw1, bias=b, out_dtype=out_dtype, use_fast_accum=True)
+        z = _scaled_mm_bias(x8, w18.t(), sx, sw1, b1, out_dtype)
         y8, y8t, sy, _ = cast_fp8(z, history, down, E4M3, gelu=approximate)
         w28, w28t, sw2, _ = cast_fp8(w2, history, down + 1, E4M3)
         out = torch._scaled_mm(y8, w28.t(), scale_a=sy, scale_b=sw2, out_dtype=out_dtype, use_fast_accum=True)
