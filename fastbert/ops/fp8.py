@@ -100,6 +100,17 @@ def cast_fp8_ref(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torch.d
 
 # ============================================================================= Triton kernel
 @triton.jit
+def _pre_op(X, Z, r, c, mask, stride_xm, stride_zm, PRE: tl.constexpr, APPROX_TANH: tl.constexpr):
+    """What the cast casts at rows ``r`` x columns ``c`` (broadcast index tensors), in fp32: ``pre_op_ref``."""
+    x = tl.load(X + r * stride_xm + c, mask=mask, other=0.0).to(tl.float32)
+    if PRE == 1:
+        x = gelu(x, APPROX_TANH)
+    elif PRE == 2:
+        x = x * gelu_grad(tl.load(Z + r * stride_zm + c, mask=mask, other=0.0).to(tl.float32), APPROX_TANH)
+    return x
+
+
+@triton.jit
 def _cast_fp8_kernel(X, Z, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm, stride_zm,
                      FP8_MAX: tl.constexpr, HISTORY_LEN: tl.constexpr, PRE: tl.constexpr, APPROX_TANH: tl.constexpr,
                      WITH_COLSUM: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -117,16 +128,15 @@ def _cast_fp8_kernel(X, Z, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     rows64 = rows.to(tl.int64)
     cols64 = cols.to(tl.int64)
-    x = tl.load(X + rows64[:, None] * stride_xm + cols64[None, :], mask=mask, other=0.0).to(tl.float32)
-    if PRE == 1:
-        x = gelu(x, APPROX_TANH)
-    elif PRE == 2:
-        z = tl.load(Z + rows64[:, None] * stride_zm + cols64[None, :], mask=mask, other=0.0).to(tl.float32)
-        x = x * gelu_grad(z, APPROX_TANH)
+    x = _pre_op(X, Z, rows64[:, None], cols64[None, :], mask, stride_xm, stride_zm, PRE, APPROX_TANH)
     y = tl.clamp(x * scale, -FP8_MAX, FP8_MAX).to(Y.dtype.element_ty)
     tl.store(Y + rows64[:, None] * N + cols64[None, :], y, mask=mask)
     if TRANSPOSE:
-        tl.store(YT + cols64[:, None] * M + rows64[None, :], tl.trans(y), mask=tl.trans(mask))
+        # The same tile read again in transposed order (cached) and cast again, not tl.trans(y): Triton 3.6's
+        # transpose of fp8 tiles gave wrong values on an H100 for some sources and pre-ops (scripts/fp8_diag.py).
+        xt = _pre_op(X, Z, rows64[None, :], cols64[:, None], tl.trans(mask), stride_xm, stride_zm, PRE, APPROX_TANH)
+        tl.store(YT + cols64[:, None] * M + rows64[None, :],
+                 tl.clamp(xt * scale, -FP8_MAX, FP8_MAX).to(YT.dtype.element_ty), mask=tl.trans(mask))
     a = tl.abs(x)
     tile_amax = tl.max(tl.max(tl.where(a < float("inf"), a, 0.0), axis=1), axis=0)  # NaN < inf is False
     tl.atomic_max(HIST + cur, tile_amax)
@@ -153,9 +163,8 @@ def cast_fp8_triton(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torc
     grid = (triton.cdiv(m, block), triton.cdiv(n, block))
     parts = torch.empty((grid[0], n) if colsum else (0,), dtype=torch.float32, device=x.device)
     pre = 0 if gelu is None else (1 if z is None else 2)
-    # Triton 3.6 on an H100 stored the transposed tile wrongly for fp32 sources (the weights; seen in
-    # tests/ops/test_fp8.py on the card, 16-bit sources were right): their transpose is torch's copy of the
-    # 1-byte result instead (a weight is small beside the activations).
+    # fp32 sources are the weights: small beside the activations, so their transpose is torch's copy of the
+    # 1-byte result rather than a second, uncoalesced read of 4-byte values.
     in_kernel = x.dtype != torch.float32
     _cast_fp8_kernel[grid](x, z if z is not None else x, x8, x8t, history.amax[row], history.step, scale_inv, parts,
                            m, n, x.stride(0), z.stride(0) if z is not None else 0, FP8_MAX=FP8_MAX[dtype],

@@ -54,7 +54,7 @@ def test_cast_kernel_matches_reference(shape, src, dtype):
     assert k8.dtype == dtype and k8.shape == shape and kt.shape == shape[::-1]
     torch.testing.assert_close(ks, rs)
     assert ks.item() == pytest.approx(5.0 / FP8_MAX[dtype])
-    assert torch.equal(kt.float(), k8.float().t())  # the transpose is the same cast
+    assert torch.equal(kt.view(torch.uint8), k8.view(torch.uint8).t())  # the transpose is the same cast
     # the bias-gradient column sums ride along (column 0 holds the inf)
     torch.testing.assert_close(kcol[1:], x.float().sum(0)[1:], rtol=1e-5, atol=1e-4)
     assert_same_cast(k8, r8)
@@ -64,12 +64,19 @@ def test_cast_kernel_matches_reference(shape, src, dtype):
     assert torch.equal(hk.amax[1:], torch.zeros_like(hk.amax[1:]))
 
 
-def assert_same_cast(k8, r8):
-    """Bit-equal on a GPU. The interpreter's conversion to fp8 is not round-to-nearest (module
-    docstring; to e5m2 it also drops exponent bits: 24000 -> 8192): there only the sign is compared,
-    and the pre-op's arithmetic is checked exactly through the amax and the column sums instead."""
+def assert_same_cast(k8, r8, pre_op=False):
+    """Bit-equal on a GPU, except that after a GELU pre-op Triton's erf / exp and torch's differ in the last
+    fp32 bit, which moves a value across a rounding boundary now and then (seen: 50 of 524,288 elements, one
+    fp8 step each): there at most 0.1% of the elements may differ, by one step. The interpreter's conversion
+    to fp8 is not round-to-nearest (module docstring; to e5m2 it also drops exponent bits: 24000 -> 8192):
+    there only the sign is compared, and the pre-op's arithmetic is checked exactly through the amax and the
+    column sums instead."""
     if DEVICE == "cuda":
-        assert torch.equal(k8.view(torch.uint8), r8.view(torch.uint8))
+        if not pre_op:
+            assert torch.equal(k8.view(torch.uint8), r8.view(torch.uint8))
+            return
+        step = (k8.view(torch.uint8).int() - r8.view(torch.uint8).int()).abs()  # adjacent codes differ by 1
+        assert step.max() <= 1 and (step > 0).float().mean() <= 1e-3
         return
     k, r = k8.float(), r8.float()
     assert ((k * r >= 0) | (r.abs() < 2.0 ** -6)).all()
@@ -92,8 +99,8 @@ def test_cast_kernel_gelu_pre_ops(backward, approximate):
     v = pre_op_ref(x, approximate, zz)
     r8, _, rs = cast_fp8_ref(v, hr, 0, dtype)
     torch.testing.assert_close(ks, rs)
-    assert_same_cast(k8, r8)
-    assert torch.equal(kt.float(), k8.float().t())
+    assert_same_cast(k8, r8, pre_op=True)
+    assert torch.equal(kt.view(torch.uint8), k8.view(torch.uint8).t())
     assert hk.amax[0, 1].item() == pytest.approx(hr.amax[0, 1].item(), rel=1e-6)
     if backward:
         torch.testing.assert_close(kcol, v.sum(0), rtol=1e-5, atol=1e-7)
