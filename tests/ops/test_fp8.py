@@ -75,8 +75,10 @@ def assert_same_cast(k8, r8, pre_op=False):
         if not pre_op:
             assert torch.equal(k8.view(torch.uint8), r8.view(torch.uint8))
             return
-        step = (k8.view(torch.uint8).int() - r8.view(torch.uint8).int()).abs()  # adjacent codes differ by 1
-        assert step.max() <= 1 and (step > 0).float().mean() <= 1e-3
+        k, r = k8.float(), r8.float()
+        bits, tiny = (3, 2.0 ** -9) if k8.dtype == E4M3 else (2, 2.0 ** -16)  # mantissa bits, smallest subnormal
+        one_step = (k - r).abs() <= torch.maximum(k.abs(), r.abs()) * 2.0 ** -bits + 2 * tiny  # sign of ~0 too
+        assert one_step.all() and (k != r).float().mean() <= 1e-3
         return
     k, r = k8.float(), r8.float()
     assert ((k * r >= 0) | (r.abs() < 2.0 ** -6)).all()
@@ -168,7 +170,8 @@ def test_fp8_linear_matches_linear(has_bias, autocast):
     assert rel(grads[0], grads_ref[0]) < BWD_BOUND and grads[0].dtype == x.dtype
     assert rel(grads[1], grads_ref[1]) < BWD_BOUND and grads[1].dtype == w.dtype
     if has_bias:  # d(bias) is a plain column sum of the gradient as it arrives (bf16 under autocast)
-        torch.testing.assert_close(grads[2], dy.to(y.dtype).float().sum((0, 1)), rtol=1e-5, atol=1e-12)
+        # (fp32 partial sums per row tile on the GPU: another summation order, 2e-5 relative seen)
+        torch.testing.assert_close(grads[2], dy.to(y.dtype).float().sum((0, 1)), rtol=1e-4, atol=1e-10)
     assert (h.amax[:, 1] > 0).all()  # input, weight and gradient amaxes recorded this step
     # the bounds can fail: the same GEMM with the weight transposed the wrong way is far off
     assert rel(F.linear(x, w.t().reshape(n, k)), y_ref) > 0.5
