@@ -66,8 +66,8 @@ def test_cast_kernel_matches_reference(shape, src, dtype):
 
 def assert_same_cast(k8, r8, pre_op=False):
     """Bit-equal on a GPU, except that after a GELU pre-op Triton's erf / exp and torch's differ in the last
-    fp32 bit, which moves a value across a rounding boundary now and then (seen: 50 of 524,288 elements, one
-    fp8 step each): there at most 0.1% of the elements may differ, by one step. The interpreter's conversion
+    fp32 bits, which moves a value across a rounding boundary now and then (seen: 50 of 524,288 elements, one
+    fp8 step each): there at most 1% of the elements may differ, by one step (plus atol below). The interpreter's conversion
     to fp8 is not round-to-nearest (module docstring; to e5m2 it also drops exponent bits: 24000 -> 8192):
     there only the sign is compared, and the pre-op's arithmetic is checked exactly through the amax and the
     column sums instead."""
@@ -76,9 +76,13 @@ def assert_same_cast(k8, r8, pre_op=False):
             assert torch.equal(k8.view(torch.uint8), r8.view(torch.uint8))
             return
         k, r = k8.float(), r8.float()
-        bits, tiny = (3, 2.0 ** -9) if k8.dtype == E4M3 else (2, 2.0 ** -16)  # mantissa bits, smallest subnormal
-        one_step = (k - r).abs() <= torch.maximum(k.abs(), r.abs()) * 2.0 ** -bits + 2 * tiny  # sign of ~0 too
-        assert one_step.all() and (k != r).float().mean() <= 1e-3
+        # atol, in scaled fp8 units: e4m3 two subnormal steps; e5m2 (the tanh GELU's derivative, 0.5 (1 + t) +
+        # ... at |z| ~ 5, is a difference of near-equal terms: Triton's tanh via exp and torch's differ there by
+        # ~1e-6 absolute, all of the value) 2^-4, one millionth of e5m2's range (CPU emulation of both formulas:
+        # 5 of 3,840 elements, at most 0.023)
+        bits, atol = (3, 2 * 2.0 ** -9) if k8.dtype == E4M3 else (2, 2.0 ** -4)
+        one_step = (k - r).abs() <= torch.maximum(k.abs(), r.abs()) * 2.0 ** -bits + atol
+        assert one_step.all() and (k != r).float().mean() <= 1e-2
         return
     k, r = k8.float(), r8.float()
     assert ((k * r >= 0) | (r.abs() < 2.0 ** -6)).all()
