@@ -352,8 +352,10 @@ _GPU_CONFIGS = {
     ("dkdv", 128, "long"): (32, 64, 4, 2),
 }
 _SHORT_BWD_MAX = 128
-# BLOCK -> (query chunk BLOCK_M, num_warps): no spills in the sm_90 compile report (see the kernel).
-_SHORT_BWD_LAUNCH = {16: (16, 4), 32: (32, 4), 64: (32, 4), 128: (32, 4)}
+# BLOCK -> (query chunk BLOCK_M, num_warps): the fastest with attention dropout (BERT's training setting) in
+# `benchmarks/bench_attention.py --sweep short` on an H100 (B=64 H=16 D=64: 128-token rows (32, 8) 139.9 us,
+# whole 128-row tile (128, 8) 141.9 us, which spills registers; 64-token rows (32, 4) 90.2 us).
+_SHORT_BWD_LAUNCH = {16: (16, 4), 32: (32, 4), 64: (32, 4), 128: (32, 8)}
 _INTERPRETER_CONFIG = (32, 32, 1, 1)
 
 
