@@ -66,6 +66,13 @@ _STREAM_SHIFT = tl.constexpr(2**32)  # kernels read only constexpr globals
 
 
 @triton.jit
+def _load_rows(P, start64, head, stride_t, stride_h, offs, offs_d, mask):
+    """Rows ``offs`` (of a sequence starting at token ``start64``) of one head of a ``(T, nh, hd)`` tensor."""
+    return tl.load(P + start64 * stride_t + head * stride_h + offs[:, None] * stride_t + offs_d[None, :], mask=mask,
+                   other=0.0)
+
+
+@triton.jit
 def _philox_keep(SEED, stream, rows, cols, max_seqlen, dropout_p):
     """Boolean keep-mask for the ``(rows, cols)`` grid of one (sequence, head) stream."""
     key = tl.load(SEED).to(tl.int64) + stream.to(tl.int64) * _STREAM_SHIFT
@@ -159,10 +166,8 @@ def _bwd_dkdv_kernel(
     mask_d = offs_d < HEAD_DIM
     mask_nd = mask_n[:, None] & mask_d[None, :]
 
-    k = tl.load(K + start64 * stride_kt + head * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :],
-                mask=mask_nd, other=0.0)
-    v = tl.load(V + start64 * stride_vt + head * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :],
-                mask=mask_nd, other=0.0)
+    k = _load_rows(K, start64, head, stride_kt, stride_kh, offs_n, offs_d, mask_nd)
+    v = _load_rows(V, start64, head, stride_vt, stride_vh, offs_n, offs_d, mask_nd)
     q_base = Q + start64 * stride_qt + head * stride_qh
     do_base = DO + start64 * stride_dot + head * stride_doh
     lse_base = LSE + head * stride_lse_h + start
@@ -293,10 +298,8 @@ def _bwd_short_kernel(
     mask_n = offs_n < seqlen
     mask_d = offs_d < HEAD_DIM
     mask_nd = mask_n[:, None] & mask_d[None, :]
-    k = tl.load(K + start64 * stride_kt + head * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :],
-                mask=mask_nd, other=0.0)
-    v = tl.load(V + start64 * stride_vt + head * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :],
-                mask=mask_nd, other=0.0)
+    k = _load_rows(K, start64, head, stride_kt, stride_kh, offs_n, offs_d, mask_nd)
+    v = _load_rows(V, start64, head, stride_vt, stride_vh, offs_n, offs_d, mask_nd)
     dk = tl.zeros((BLOCK, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK, BLOCK_D), dtype=tl.float32)
     scale_keep = 1.0 / (1.0 - dropout_p)
@@ -306,10 +309,9 @@ def _bwd_short_kernel(
         mask_md = mask_m[:, None] & mask_d[None, :]
         rows = offs_m[:, None]
         cols = offs_d[None, :]
-        q = tl.load(Q + start64 * stride_qt + head * stride_qh + rows * stride_qt + cols, mask=mask_md, other=0.0)
-        o = tl.load(O + start64 * stride_ot + head * stride_oh + rows * stride_ot + cols, mask=mask_md, other=0.0)
-        do = tl.load(DO + start64 * stride_dot + head * stride_doh + rows * stride_dot + cols, mask=mask_md,
-                     other=0.0)
+        q = _load_rows(Q, start64, head, stride_qt, stride_qh, offs_m, offs_d, mask_md)
+        o = _load_rows(O, start64, head, stride_ot, stride_oh, offs_m, offs_d, mask_md)
+        do = _load_rows(DO, start64, head, stride_dot, stride_doh, offs_m, offs_d, mask_md)
         lse = tl.load(LSE + head * stride_lse_h + start + offs_m, mask=mask_m, other=0.0)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK)

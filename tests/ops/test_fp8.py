@@ -67,7 +67,8 @@ def test_cast_kernel_matches_reference(shape, src, dtype):
 def assert_same_cast(k8, r8, pre_op=False):
     """Bit-equal on a GPU, except that after a GELU pre-op Triton's erf / exp and torch's differ in the last
     fp32 bits, which moves a value across a rounding boundary now and then (seen: 50 of 524,288 elements, one
-    fp8 step each): there at most 1% of the elements may differ, by one step (plus atol below). The interpreter's conversion
+    fp8 step each): there at most 1% of the elements may differ, by one step (plus atol below). The
+    interpreter's conversion
     to fp8 is not round-to-nearest (module docstring; to e5m2 it also drops exponent bits: 24000 -> 8192):
     there only the sign is compared, and the pre-op's arithmetic is checked exactly through the amax and the
     column sums instead."""
@@ -240,7 +241,8 @@ def test_model_fp8_training_forward():
     loss, loss_ref = model(**batch).loss, ref(**batch).loss
     assert abs(loss.item() - loss_ref.item()) < 0.02 * loss_ref.item()
     loss.backward(), loss_ref.backward()
-    w, w_ref = model.bert.encoder.layer[0].intermediate.dense.weight, ref.bert.encoder.layer[0].intermediate.dense.weight
+    w = model.bert.encoder.layer[0].intermediate.dense.weight
+    w_ref = ref.bert.encoder.layer[0].intermediate.dense.weight
     assert rel(w.grad, w_ref.grad) < 2 * BWD_BOUND  # two layers of FP8 errors reach it
     history = model.bert.encoder._fp8_history
     assert history.amax.shape == (12 * cfg.num_hidden_layers, HISTORY) and (history.amax.amax(1) > 0).all()
