@@ -68,10 +68,9 @@ def assert_same_cast(k8, r8, pre_op=False):
     """Bit-equal on a GPU, except that after a GELU pre-op Triton's erf / exp and torch's differ in the last
     fp32 bits, which moves a value across a rounding boundary now and then (seen: 50 of 524,288 elements, one
     fp8 step each): there at most 1% of the elements may differ, by one step (plus atol below). The
-    interpreter's conversion
-    to fp8 is not round-to-nearest (module docstring; to e5m2 it also drops exponent bits: 24000 -> 8192):
-    there only the sign is compared, and the pre-op's arithmetic is checked exactly through the amax and the
-    column sums instead."""
+    interpreter's conversion to fp8 is not round-to-nearest (module docstring; to e5m2 it also drops exponent
+    bits: 24000 -> 8192): there only the sign is compared, and the pre-op's arithmetic is checked exactly
+    through the amax and the column sums instead."""
     if DEVICE == "cuda":
         if not pre_op:
             assert torch.equal(k8.view(torch.uint8), r8.view(torch.uint8))
