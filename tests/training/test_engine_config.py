@@ -149,3 +149,12 @@ def test_zero_stage_auto_picks_zero0_where_the_replicated_state_fits():
     offload = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     assert resolve_zero_stage("auto", offload, 2, state_bytes=1, device_bytes=gib) is None
     assert resolve_zero_stage(1, z2, 1) == 1
+
+
+def test_fp8_precision_resolves_to_its_engine_precision():
+    """train.precision=fp8 is bf16 autocast plus BertConfig.fp8 on a GPU with FP8 tensor cores; on the CPU the
+    engine runs fp32 (torch's FP8 GEMM emulation, for tests); anything but a fastbert model is refused."""
+    from fastbert.training.engine import build_engine, resolve_precision
+    assert resolve_precision("fp8", CPU) == "fp32"
+    with pytest.raises(EngineConfigError, match="needs a fastbert model"):
+        build_engine(torch.nn.Linear(16, 16), precision="fp8")
