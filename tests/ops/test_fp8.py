@@ -78,9 +78,10 @@ def assert_same_cast(k8, r8, pre_op=False):
         k, r = k8.float(), r8.float()
         # atol, in scaled fp8 units: e4m3 two subnormal steps; e5m2 (the tanh GELU's derivative, 0.5 (1 + t) +
         # ... at |z| ~ 5, is a difference of near-equal terms: Triton's tanh via exp and torch's differ there by
-        # ~1e-6 absolute, all of the value) 2^-4, one millionth of e5m2's range (CPU emulation of both formulas:
-        # 5 of 3,840 elements, at most 0.023)
-        bits, atol = (3, 2 * 2.0 ** -9) if k8.dtype == E4M3 else (2, 2.0 ** -4)
+        # ~1e-6 absolute, all of the value; times |dy| <= 4e-3 and the scale 57344 / amax ~ 1.4e7 that is up to
+        # ~0.06) 2^-3, two millionths of e5m2's range (CPU emulation of both formulas: 5 of 3,840 elements, at
+        # most 0.023)
+        bits, atol = (3, 2 * 2.0 ** -9) if k8.dtype == E4M3 else (2, 2.0 ** -3)
         one_step = (k - r).abs() <= torch.maximum(k.abs(), r.abs()) * 2.0 ** -bits + atol
         assert one_step.all() and (k != r).float().mean() <= 1e-2
         return
