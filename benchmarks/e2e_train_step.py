@@ -493,6 +493,7 @@ def main(argv=None):
     else:
         runs = (run_in_worker(name, argv) for name in names)
     results = []
+    partial = Path(args.out) / f"e2e_{args.preset}_s{args.seq}_b{args.batch}_{args.mode}.json" if args.out else None
     for r in runs:
         if r is None:
             continue
@@ -505,6 +506,9 @@ def main(argv=None):
               f"{r['check_loss']:.4f}  peak {peak}", flush=True)
         if r.get("graph_replays", args.steps) != args.steps:
             print(f"WARNING: {r['contender']} replayed CUDA graphs in {r['graph_replays']} of {args.steps} timed steps")
+        if partial is not None and not args.probe_order:  # a run cut short keeps what it measured
+            partial.write_text(json.dumps(dict(card=card, args=vars(args), flops_per_step=flops, results=results),
+                                          indent=2))
     digests = {r["inputs_digest"] for r in results}
     if len(digests) > 1:
         print(f"WARNING: the contenders started from different weights or batches (digests {sorted(digests)})")
