@@ -493,7 +493,13 @@ def main(argv=None):
     else:
         runs = (run_in_worker(name, argv) for name in names)
     results = []
-    partial = Path(args.out) / f"e2e_{args.preset}_s{args.seq}_b{args.batch}_{args.mode}.json" if args.out else None
+
+    def write(stem: str, **extra) -> None:
+        if args.out:
+            report = dict(card=card, args=vars(args), flops_per_step=flops, results=results, **extra)
+            path = Path(args.out) / f"{stem}_{args.preset}_s{args.seq}_b{args.batch}_{args.mode}.json"
+            path.write_text(json.dumps(report, indent=2))
+
     for r in runs:
         if r is None:
             continue
@@ -506,9 +512,8 @@ def main(argv=None):
               f"{r['check_loss']:.4f}  peak {peak}", flush=True)
         if r.get("graph_replays", args.steps) != args.steps:
             print(f"WARNING: {r['contender']} replayed CUDA graphs in {r['graph_replays']} of {args.steps} timed steps")
-        if partial is not None and not args.probe_order:  # a run cut short keeps what it measured
-            partial.write_text(json.dumps(dict(card=card, args=vars(args), flops_per_step=flops, results=results),
-                                          indent=2))
+        if not args.probe_order:  # after every contender: a run cut short keeps what it measured
+            write("e2e")
     digests = {r["inputs_digest"] for r in results}
     if len(digests) > 1:
         print(f"WARNING: the contenders started from different weights or batches (digests {sorted(digests)})")
@@ -516,14 +521,10 @@ def main(argv=None):
         probe = [dict(contender=r["contender"], ms_per_step=r["ms_per_step"],
                       issue_ms_per_step=r["issue_ms_per_step"], **r.pop("probe")) for r in results]
         print_probe(probe)
-        report, stem = dict(card=card, args=vars(args), flops_per_step=flops, results=results,
-                            probe=dict(order=list(PROBE_ORDER), runs=probe)), "e2e_probe"
+        write("e2e_probe", probe=dict(order=list(PROBE_ORDER), runs=probe))
     else:
         print_table(results)
-        report, stem = dict(card=card, args=vars(args), flops_per_step=flops, results=results), "e2e"
-    if args.out:
-        path = Path(args.out) / f"{stem}_{args.preset}_s{args.seq}_b{args.batch}_{args.mode}.json"
-        path.write_text(json.dumps(report, indent=2))
+        write("e2e")
 
 
 if __name__ == "__main__":

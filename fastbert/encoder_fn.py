@@ -94,16 +94,14 @@ def layer(ops, x, w: LayerWeights, cu_seqlens, max_seqlen: int, rows: Rows | Non
         return linear(ctx.reshape(tokens, nh * hd), w.attention_out_weight, None, 1), probs  # bias: in add + norm
 
     def ffn(h):  # the output bias is left to the caller
-        if w.fp8 is not None and isinstance(activation, str):
+        if not isinstance(activation, str):
+            h = activation(linear(h, w.intermediate_weight, w.intermediate_bias, 2))
+        elif w.fp8 is not None:  # GELU and its derivative inside the FP8 casts
             history, first = w.fp8
             return fp8_ffn(h, w.intermediate_weight, w.intermediate_bias, w.output_weight, history, first + 6,
                            activation)
-        if w.fp8 is not None:
-            h = activation(linear(h, w.intermediate_weight, w.intermediate_bias, 2))
-        elif isinstance(activation, str):
-            h = ops.linear_bias_gelu(h, w.intermediate_weight, w.intermediate_bias, approximate=activation)
         else:
-            h = activation(F.linear(h, w.intermediate_weight, w.intermediate_bias))
+            h = ops.linear_bias_gelu(h, w.intermediate_weight, w.intermediate_bias, approximate=activation)
         return linear(h, w.output_weight, None, 3)
 
     def add_norm(y, residual, norm, y_bias, p, also_sum=False):  # also_sum: (normalized, residual sum)

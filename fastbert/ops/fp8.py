@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fastbert.ops._common import HAS_TRITON, INTERPRET, tl, triton
+from fastbert.ops._common import HAS_TRITON, INTERPRET, autocast_dtype, tl, triton
 from fastbert.ops.ffn import gelu, gelu_grad
 
 HISTORY = 16
@@ -39,8 +39,8 @@ ALIGN = 16  # _scaled_mm: every GEMM dimension a multiple of 16
 
 
 class AmaxHistory:
-    """The amax rows of every cast of one model (``rows x HISTORY`` fp32 on the device) and the slot
-    counter; rows are handed out by ``allocate``. ``primed`` holds the rows whose first cast has run."""
+    """The amax rows of every cast of one model (``rows x HISTORY`` fp32 on the device; the model numbers
+    the rows) and the slot counter. ``primed`` holds the rows whose first cast has run."""
 
     def __init__(self, n_rows: int, device):
         self.amax = torch.zeros((n_rows, HISTORY), dtype=torch.float32, device=device)
@@ -53,9 +53,8 @@ class AmaxHistory:
         self.amax.index_fill_(1, torch.remainder(self.step, HISTORY), 0.0)
 
     def prime(self, row: int, x: torch.Tensor) -> None:
-        """First cast of ``row``: record ``x``'s amax as the previous slot's, so it scales by its own."""
-        if row in self.primed:
-            return
+        """First cast of ``row`` (the caller checks ``primed``): record ``x``'s amax as the previous slot's,
+        so it scales by its own."""
         prev = torch.remainder(self.step - 1, HISTORY)
         self.amax[row].index_copy_(0, prev, finite_amax(x).view(1))
         self.primed.add(row)
@@ -180,11 +179,12 @@ def cast_fp8(x, history: AmaxHistory, row: int, dtype: torch.dtype, colsum: bool
     """``(v8, v8 transposed, scale_inv, v.sum(0) in fp32 or None)`` for ``v = pre_op_ref(x, gelu, z)``:
     the kernel on CUDA when Triton is there, else the reference (also under TRITON_INTERPRET: the
     interpreter's fp8 conversion loses the carry when rounding up reaches a power of two)."""
+    kernel = HAS_TRITON and x.is_cuda
+    v = None if kernel else pre_op_ref(x, gelu, z)
     if row not in history.primed:
-        history.prime(row, pre_op_ref(x, gelu, z))
-    if HAS_TRITON and x.is_cuda:
+        history.prime(row, v if v is not None else pre_op_ref(x, gelu, z))
+    if kernel:
         return cast_fp8_triton(x, history, row, dtype, colsum, gelu, z)
-    v = pre_op_ref(x, gelu, z)
     return (*cast_fp8_ref(v, history, row, dtype), v.sum(0) if colsum else None)
 
 
@@ -260,8 +260,13 @@ def _aligned(*dims: int) -> bool:
     return all(d % ALIGN == 0 and d > 0 for d in dims)
 
 
-def _out_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+def _apply(function, x: torch.Tensor, in_features: int, out_features: int, *args):
+    """``function`` (an FP8 autograd function) on ``x`` as ``(tokens, in_features)`` rows, outside autocast;
+    its result in the dtype F.linear would give (autocast's, else x's), shaped like ``x``."""
+    out_dtype = autocast_dtype(x.device) or x.dtype
+    with torch.autocast(x.device.type, enabled=False):
+        y = function.apply(x.reshape(-1, in_features), *args, out_dtype)
+    return y.view(*x.shape[:-1], out_features)
 
 
 def fp8_ffn(x: torch.Tensor, w1: torch.Tensor, b1, w2: torch.Tensor, history: AmaxHistory, rows: int,
@@ -269,23 +274,15 @@ def fp8_ffn(x: torch.Tensor, w1: torch.Tensor, b1, w2: torch.Tensor, history: Am
     """``F.linear(F.gelu(F.linear(x, w1, b1), approximate), w2)`` with FP8 GEMMs; ``rows``: the up-projection's
     first history row, the down-projection's three follow. Shapes ``_scaled_mm`` cannot take run the
     16/32-bit ops."""
-    x2 = x.reshape(-1, w1.shape[1])
-    if not _aligned(x2.shape[0], *w1.shape, *w2.shape):
+    if not _aligned(x.numel() // w1.shape[1], *w1.shape, *w2.shape):
         return F.linear(F.gelu(F.linear(x, w1, b1), approximate=approximate), w2)
-    out_dtype = _out_dtype(x)
-    with torch.autocast(x.device.type, enabled=False):
-        out = _Fp8Ffn.apply(x2, w1, b1, w2, history, rows, approximate, out_dtype)
-    return out.view(*x.shape[:-1], w2.shape[0])
+    return _apply(_Fp8Ffn, x, w1.shape[1], w2.shape[0], w1, b1, w2, history, rows, approximate)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias, history: AmaxHistory, rows: int):
     """``F.linear(x, weight, bias)`` with FP8 GEMMs; ``rows``: the first of this linear's three
     history rows (input, weight, output gradient). Under autocast the result is in the autocast
     dtype, as F.linear's; shapes that ``_scaled_mm`` cannot take run F.linear itself."""
-    x2 = x.reshape(-1, weight.shape[1])
-    if not _aligned(x2.shape[0], *weight.shape):
+    if not _aligned(x.numel() // weight.shape[1], *weight.shape):
         return F.linear(x, weight, bias)
-    out_dtype = _out_dtype(x)
-    with torch.autocast(x.device.type, enabled=False):
-        y = _Fp8Linear.apply(x2, weight, bias, history, rows, out_dtype)
-    return y.view(*x.shape[:-1], weight.shape[0])
+    return _apply(_Fp8Linear, x, weight.shape[1], weight.shape[0], weight, bias, history, rows)
