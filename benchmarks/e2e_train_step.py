@@ -250,7 +250,7 @@ def timed_steps(step, inputs, steps, device):
     return start.elapsed_time(end) / steps, issue_ms, loss
 
 
-def run_contender(name, inp: Inputs, warmup, steps, device, profile=False):
+def run_contender(name, inp: Inputs, warmup, steps, device, profile=False, out_dir=None):
     model, step_model = build(name, inp.hf_state, inp.hcfg, inp.fcfg, device)
     autocast = autocast_for(device)
     graphs, batches = None, inp.batches
@@ -299,9 +299,13 @@ def run_contender(name, inp: Inputs, warmup, steps, device, profile=False):
                 for i in range(3):
                     step(batches[i % len(batches)])
                 synchronize(device)
-            print(f"--- profile {name} (3 steps) ---")
-            sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-            print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60), flush=True)
+            sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+            table = prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90)
+            if out_dir:  # the whole table beside the JSON; the top of it on stdout
+                (Path(out_dir) / f"profile_{name}.txt").write_text(table)
+            print(f"--- profile {name} (3 steps; self time, top 25 of 60"
+                  f"{' in ' + str(Path(out_dir) / f'profile_{name}.txt') if out_dir else ''}) ---")
+            print("\n".join(table.splitlines()[:28]), flush=True)
         res = dict(contender=name, ms_per_step=ms, issue_ms_per_step=issue_ms, check_loss=check,
                    final_loss=float(loss.detach()), warmup_s=compile_s, inputs_digest=inp.digest,
                    peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None)
@@ -390,7 +394,8 @@ def run_here(names, args, device, probe=False):
     for name in names:
         before = dict(gemm_tflops=gemm_tflops(), **process_state()) if probe else None
         try:
-            r = run_contender(name, inp, args.warmup, args.steps, device, profile=name in args.profile.split(","))
+            r = run_contender(name, inp, args.warmup, args.steps, device, profile=name in args.profile.split(","),
+                              out_dir=args.out)
         except Exception as e:  # report and go on: one broken contender must not hide the others
             print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
             yield None
@@ -471,7 +476,7 @@ def main(argv=None):
     torch.backends.cuda.matmul.allow_tf32 = True
     if args.worker:      # errors propagate: the parent shows the traceback's tail
         r = run_contender(args.worker, Inputs.make(args, device), args.warmup, args.steps, device,
-                          profile=args.worker in args.profile.split(","))
+                          profile=args.worker in args.profile.split(","), out_dir=args.out)
         Path(args.worker_out).write_text(json.dumps(r))
         return
     import transformers
