@@ -154,20 +154,31 @@ def _fwd_kernel(
 
 @triton.jit(do_not_specialize=["max_seqlen"])
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS,
+    Q, K, V, O, DO, LSE, DELTA, DQ, DK, DV, CU_SEQLENS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-    stride_lse_h, nheads, qk_scale, softmax_scale, dropout_p, SEED, max_seqlen,
+    stride_ot, stride_oh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    stride_lse_h, nheads, qk_scale, softmax_scale, dropout_p, SEED, max_seqlen, min_len,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED_DQ: tl.constexpr,
 ):
-    """One program = one block of BLOCK_N keys of one (sequence, head), looping over its queries."""
+    """One program = one block of BLOCK_N keys of one (sequence, head), looping over its queries in blocks
+    of BLOCK_M. The scores are computed key-major (S^T = K Q^T), so P^T and dS^T feed the dV and dK GEMMs
+    straight from registers.
+
+    FUSED_DQ: the whole backward of a sequence whose keys all fit the block (min_len < length <=
+    BLOCK_N, grid (1, seq, head)). Holding every key, the program finishes each query block's dQ itself
+    (dQ^T = K^T dS^T: dS^T goes through shared memory once) and computes delta = rowsum(O * dO) from O;
+    one launch, no atomics, K and V read once. Otherwise DELTA comes from the dQ kernel, which ran first.
+    """
     pid_n = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
     start = tl.load(CU_SEQLENS + seq)
     seqlen = tl.load(CU_SEQLENS + seq + 1) - start
-    if pid_n * BLOCK_N >= seqlen:
+    if FUSED_DQ:
+        if (seqlen <= min_len) | (seqlen > BLOCK_N):
+            return
+    elif pid_n * BLOCK_N >= seqlen:
         return
     start64 = start.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -179,21 +190,24 @@ def _bwd_dkdv_kernel(
 
     k = _load_rows(K, start64, head, stride_kt, stride_kh, offs_n, offs_d, mask_nd)
     v = _load_rows(V, start64, head, stride_vt, stride_vh, offs_n, offs_d, mask_nd)
-    q_base = Q + start64 * stride_qt + head * stride_qh
-    do_base = DO + start64 * stride_dot + head * stride_doh
     lse_base = LSE + head * stride_lse_h + start
     delta_base = DELTA + head * stride_lse_h + start
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     stream = seq * nheads + head
+    scale_keep = 1.0 / (1.0 - dropout_p)
     for start_m in range(0, seqlen, BLOCK_M):
         rows = start_m + offs_m
         mask_m = rows < seqlen
         mask_md = mask_m[:, None] & mask_d[None, :]
-        q = tl.load(q_base + rows[:, None] * stride_qt + offs_d[None, :], mask=mask_md, other=0.0)
-        do = tl.load(do_base + rows[:, None] * stride_dot + offs_d[None, :], mask=mask_md, other=0.0)
+        q = _load_rows(Q, start64, head, stride_qt, stride_qh, rows, offs_d, mask_md)
+        do = _load_rows(DO, start64, head, stride_dot, stride_doh, rows, offs_d, mask_md)
         lse = tl.load(lse_base + rows, mask=mask_m, other=0.0)
-        delta = tl.load(delta_base + rows, mask=mask_m, other=0.0)
+        if FUSED_DQ:
+            o = _load_rows(O, start64, head, stride_ot, stride_oh, rows, offs_d, mask_md)
+            delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        else:
+            delta = tl.load(delta_base + rows, mask=mask_m, other=0.0)
         # Transposed probabilities P^T (BLOCK_N, BLOCK_M), rebuilt from the stored log-sum-exp.
         qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
         pT = tl.math.exp2(qkT - lse[None, :])
@@ -201,14 +215,17 @@ def _bwd_dkdv_kernel(
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (dO V^T)^T
         if HAS_DROPOUT:
             keepT = tl.trans(_dropout_keep(SEED, stream, start_m, pid_n * BLOCK_N, BLOCK_M, BLOCK_N, max_seqlen,
-                                            dropout_p))
-            scale_keep = 1.0 / (1.0 - dropout_p)
+                                           dropout_p))
             dv = tl.dot(tl.where(keepT, pT * scale_keep, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
             dpT = tl.where(keepT, dpT * scale_keep, 0.0)
         else:
             dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dsT = pT * (dpT - delta[None, :])
-        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+        dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
+        if FUSED_DQ:
+            dqT = tl.dot(tl.trans(k), dsT, input_precision=DOT_PRECISION) * softmax_scale  # (BLOCK_D, BLOCK_M)
+            tl.store(DQ + start64 * stride_dqt + head * stride_dqh + rows[None, :] * stride_dqt + offs_d[:, None],
+                     dqT.to(DQ.dtype.element_ty), mask=mask_m[None, :] & mask_d[:, None])
 
     dk = dk * softmax_scale
     tl.store(DK + start64 * stride_dkt + head * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
@@ -366,10 +383,13 @@ _GPU_CONFIGS = {
     ("dkdv", 128, "long"): (32, 64, 4, 2),
 }
 _SHORT_BWD_MAX = 128
-# BLOCK -> (query chunk BLOCK_M, num_warps): the fastest with attention dropout (BERT's training setting) in
-# `benchmarks/bench_attention.py --sweep short` on an H100 (B=64 H=16 D=64: 128-token rows (32, 8) 139.9 us,
-# whole 128-row tile (128, 8) 141.9 us, which spills registers; 64-token rows (32, 4) 90.2 us).
-_SHORT_BWD_LAUNCH = {16: (16, 4), 32: (32, 4), 64: (32, 4), 128: (32, 8)}
+# BLOCK -> (form, query block BLOCK_M, num_warps, num_stages) of the fused short backward. Forms: "keys",
+# the dK/dV kernel with FUSED_DQ (scores key-major); "queries", _bwd_short_kernel (scores query-major).
+# Chosen with attention dropout (BERT's training setting) by `benchmarks/bench_attention.py --sweep short`
+# on an H100 (fourth session, B=64 H=16 D=64, queries form: 128-token rows (32, 8) 139.9 us, whole 128-row
+# tile (128, 8) 141.9 us, which spills registers; 64-token rows (32, 4) 90.2 us).
+_SHORT_BWD_LAUNCH = {16: ("queries", 16, 4, 1), 32: ("queries", 32, 4, 1), 64: ("queries", 32, 4, 1),
+                     128: ("queries", 32, 8, 1)}
 _INTERPRETER_CONFIG = (32, 32, 1, 1)
 
 
@@ -394,9 +414,11 @@ def _short_bwd_blocks(head_dim: int, max_seqlen: int):
     return [64, 128] if block == 128 else [block]
 
 
-def _short_bwd_chunk(block: int, device: torch.device) -> int:
-    """Query rows per chunk of the fused short backward (the interpreter: 16, to exercise the loop)."""
-    return _SHORT_BWD_LAUNCH[block][0] if device.type == "cuda" else min(16, block)
+def _short_bwd_launch(block: int, device: torch.device):
+    """(form, BLOCK_M, num_warps, num_stages) of the fused short backward for ``block`` (the interpreter:
+    16-row query blocks, to exercise the loop)."""
+    form, block_m, warps, stages = _SHORT_BWD_LAUNCH[block]
+    return (form, block_m, warps, stages) if device.type == "cuda" else (form, min(16, block), 1, 1)
 
 
 def _kernel_constants(q: torch.Tensor, dropout_p: float) -> dict:
@@ -446,35 +468,39 @@ def _backward_packed(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, dropo
         return dqkv
     consts = _kernel_constants(q, dropout_p)
     blocks = _short_bwd_blocks(head_dim, max_seqlen)
+    common = (lse.stride(0), nheads, softmax_scale * _LOG2E, softmax_scale, dropout_p, seed, max_seqlen)
+    strides_in = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                  dout.stride(0), dout.stride(1), out.stride(0), out.stride(1), dq.stride(0), dq.stride(1))
+    strides_kv = (dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1))
     if blocks is not None:
         min_len = 0
         for block in blocks:
-            _bwd_short_kernel[(batch, nheads)](
-                q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
-                dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-                lse.stride(0), nheads, softmax_scale * _LOG2E, softmax_scale, dropout_p, seed, max_seqlen, min_len,
-                BLOCK=block, BLOCK_M=_short_bwd_chunk(block, q.device), num_warps=_SHORT_BWD_LAUNCH[block][1],
-                num_stages=1, **consts)
+            form, block_m, warps, stages = _short_bwd_launch(block, q.device)
+            if form == "keys":
+                _bwd_dkdv_kernel[(1, batch, nheads)](
+                    q, k, v, out, dout, lse, lse, dq, dk, dv, cu_seqlens, *strides_in, *strides_kv, *common, min_len,
+                    BLOCK_M=block_m, BLOCK_N=block, FUSED_DQ=True, num_warps=warps, num_stages=stages, **consts)
+            else:
+                _bwd_short_kernel[(batch, nheads)](
+                    q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens,
+                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                    out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
+                    *strides_kv, *common, min_len,
+                    BLOCK=block, BLOCK_M=block_m, num_warps=warps, num_stages=stages, **consts)
             min_len = block
         return dqkv
     delta = torch.empty((nheads, total), dtype=torch.float32, device=q.device)
-    common = (lse.stride(0), nheads, softmax_scale * _LOG2E, softmax_scale, dropout_p, seed, max_seqlen)
-    strides_in = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                  dout.stride(0), dout.stride(1))
 
     block_m, block_n, warps, stages = _launch_config("dq", head_dim, max_seqlen, q.device)
     _bwd_dq_kernel[(triton.cdiv(max_seqlen, block_m), batch, nheads)](  # writes delta: runs first
-        q, k, v, out, dout, lse, delta, dq, cu_seqlens, *strides_in, out.stride(0), out.stride(1),
+        q, k, v, out, dout, lse, delta, dq, cu_seqlens, *strides_in[:8], out.stride(0), out.stride(1),
         dq.stride(0), dq.stride(1), *common,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **consts)
 
     block_m, block_n, warps, stages = _launch_config("dkdv", head_dim, max_seqlen, q.device)
     _bwd_dkdv_kernel[(triton.cdiv(max_seqlen, block_n), batch, nheads)](
-        q, k, v, dout, lse, delta, dk, dv, cu_seqlens, *strides_in,
-        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *common,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **consts)
+        q, k, v, out, dout, lse, delta, dq, dk, dv, cu_seqlens, *strides_in, *strides_kv, *common, 0,
+        BLOCK_M=block_m, BLOCK_N=block_n, FUSED_DQ=False, num_warps=warps, num_stages=stages, **consts)
     return dqkv
 
 
