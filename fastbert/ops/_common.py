@@ -172,7 +172,7 @@ def row_block(n_cols: int):
     """(BLOCK_M, BLOCK_N, num_warps) for a kernel that keeps whole rows of ``n_cols`` in registers:
     several short rows per program so each program moves ~4K elements (16-byte accesses, enough
     loads in flight), one long row with more warps for wide hidden sizes."""
-    block_n = max(4, triton.next_power_of_2(n_cols))  # >= 4: dropout draws 4 columns per Philox call
+    block_n = max(8, triton.next_power_of_2(n_cols))  # >= 8: dropout draws 8 columns per Philox call
     block_m = max(1, min(4096 // block_n, 16))
     num_warps = max(1, min(block_m * block_n // 512, 16))
     return block_m, block_n, num_warps
@@ -198,29 +198,38 @@ def num_sms(device: torch.device) -> int:
 
 # ----------------------------------------------------------------------------- dropout
 def drop_threshold(dropout_p: float) -> int:
-    """Dropout as an integer test on Philox's uint32 output: drop when bits < p * 2^32."""
-    return min(int(dropout_p * 2**32), 2**32 - 1)
+    """Dropout as an integer test on 16 random bits: drop when they fall below round(p * 2^16), so p is
+    kept within 2^-17."""
+    return min(int(dropout_p * 2**16 + 0.5), 2**16 - 1)
 
 
 @triton.jit
 def dropout_keep(seed, rows, col_start, n_cols, threshold, BLOCK_N: tl.constexpr):
     """Keep-mask (True = kept) of shape (len(rows), BLOCK_N) for columns col_start + [0, BLOCK_N).
 
-    One Philox call yields four 32-bit numbers; each serves four consecutive columns (counter =
-    row * ceil(n_cols / 4) + col // 4), so a dropout kernel stays memory-bound instead of spending
-    its time in Philox rounds. ``col_start`` must be a multiple of 4 and BLOCK_N >= 4.
+    One Philox call yields four 32-bit numbers, eight 16-bit halves; they serve eight consecutive
+    columns (counter = row * ceil(n_cols / 8) + col // 8; column 8j + k takes half k % 2, low first, of
+    number k // 2), so dropout costs a kernel an eighth of a Philox call per element: memory-bound
+    kernels stay memory-bound, and attention's score tiles spend little on it. ``seed`` is an integer
+    (the attention kernels put their (sequence, head) stream in its high 32 bits); ``col_start`` must
+    be a multiple of 8 and BLOCK_N >= 8.
     """
-    groups = col_start // 4 + tl.arange(0, BLOCK_N // 4)
-    counters = rows.to(tl.int64)[:, None] * ((n_cols + 3) // 4) + groups[None, :]
+    groups = col_start // 8 + tl.arange(0, BLOCK_N // 8)
+    counters = rows.to(tl.int64)[:, None] * ((n_cols + 7) // 8) + groups[None, :]
     r0, r1, r2, r3 = tl.randint4x(seed, counters)
     thr = threshold.to(tl.uint32)
-    k0 = (r0 >= thr).to(tl.int8)
-    k1 = (r1 >= thr).to(tl.int8)
-    k2 = (r2 >= thr).to(tl.int8)
-    k3 = (r3 >= thr).to(tl.int8)
-    # column 4j + k takes k_k[j]: interleave(interleave(k0, k2), interleave(k1, k3))
-    keep = tl.interleave(tl.interleave(k0, k2), tl.interleave(k1, k3))
-    return keep != 0
+    k0 = ((r0 & 0xFFFF) >= thr).to(tl.int8)
+    k1 = ((r0 >> 16) >= thr).to(tl.int8)
+    k2 = ((r1 & 0xFFFF) >= thr).to(tl.int8)
+    k3 = ((r1 >> 16) >= thr).to(tl.int8)
+    k4 = ((r2 & 0xFFFF) >= thr).to(tl.int8)
+    k5 = ((r2 >> 16) >= thr).to(tl.int8)
+    k6 = ((r3 & 0xFFFF) >= thr).to(tl.int8)
+    k7 = ((r3 >> 16) >= thr).to(tl.int8)
+    # interleave(a, b) puts a at the even columns, b at the odd ones: column 8j + k takes k_k[j]
+    even = tl.interleave(tl.interleave(k0, k4), tl.interleave(k2, k6))
+    odd = tl.interleave(tl.interleave(k1, k5), tl.interleave(k3, k7))
+    return tl.interleave(even, odd) != 0
 
 
 @triton.jit(do_not_specialize=["threshold"])

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from fastbert.ops._common import (
-    autocast_dtype, check_dropout_p, check_triton_device, dropout_seed, register_op, tl, triton)
+    autocast_dtype, check_dropout_p, check_triton_device, drop_threshold, dropout_keep, dropout_seed, register_op, tl,
+    triton)
 from fastbert.padding import unpad_by_seqlens, pad, unpad
 
 
@@ -58,12 +59,10 @@ def varlen_attention_ref(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax
 
 # ============================================================================ Triton kernels
 _LOG2E = 1.4426950408889634
-# Dropout: one Philox-4x32-10 call per 8 adjacent (query, key) pairs of a sequence, 16 random bits per
-# pair (a key is dropped when its 16 bits fall below round(p * 2^16): p within 2^-17). The counter is
-# ``row * ceil(max_seqlen / 8) + col // 8`` (local to the sequence) and the key is the seed (read from
-# the seed tensor) in the low 32 bits plus the (sequence, head) stream in the high 32 bits, so forward and
-# backward regenerate the same mask whatever block sizes they use (key blocks start at multiples of 8).
-# One call per pair, as before, spent 8x the integer work: ~0.1 ms per BERT-large layer at 128 tokens.
+# Dropout (``_common.dropout_keep``): one Philox call per 8 adjacent (query, key) pairs of a sequence. The
+# counter is ``row * ceil(max_seqlen / 8) + col // 8`` (local to the sequence) and the key is the seed (read
+# from the seed tensor) in the low 32 bits plus the (sequence, head) stream in the high 32 bits, so forward
+# and backward regenerate the same mask whatever block sizes they use (key blocks start at multiples of 8).
 _STREAM_SHIFT = tl.constexpr(2**32)  # kernels read only constexpr globals
 
 
@@ -75,26 +74,17 @@ def _load_rows(P, start64, head, stride_t, stride_h, offs, offs_d, mask):
 
 
 @triton.jit
-def _dropout_keep(SEED, stream, row0, col0, ROWS: tl.constexpr, COLS: tl.constexpr, max_seqlen, dropout_p):
-    """Boolean keep-mask of the ``(ROWS, COLS)`` tile at (row0, col0) of one (sequence, head) stream;
-    ``col0`` and ``COLS`` are multiples of 8."""
+def _attention_keep(SEED, stream, row0, col0, ROWS: tl.constexpr, COLS: tl.constexpr, max_seqlen, threshold):
+    """Keep-mask of the ``(ROWS, COLS)`` tile at (row0, col0) of one (sequence, head) stream."""
     key = tl.load(SEED).to(tl.int64) + stream.to(tl.int64) * _STREAM_SHIFT
-    rows = row0 + tl.arange(0, ROWS)
-    groups = col0 // 8 + tl.arange(0, COLS // 8)
-    r0, r1, r2, r3 = tl.randint4x(key, rows[:, None] * ((max_seqlen + 7) // 8) + groups[None, :])
-    thr = tl.cast(dropout_p * 65536.0 + 0.5, tl.uint32)
-    k01 = tl.join((r0 & 0xFFFF) >= thr, (r0 >> 16) >= thr)
-    k23 = tl.join((r1 & 0xFFFF) >= thr, (r1 >> 16) >= thr)
-    k45 = tl.join((r2 & 0xFFFF) >= thr, (r2 >> 16) >= thr)
-    k67 = tl.join((r3 & 0xFFFF) >= thr, (r3 >> 16) >= thr)
-    return tl.reshape(tl.join(tl.join(k01, k23), tl.join(k45, k67)), (ROWS, COLS))
+    return dropout_keep(key, row0 + tl.arange(0, ROWS), col0, max_seqlen, threshold, COLS)
 
 
-@triton.jit(do_not_specialize=["max_seqlen"])
+@triton.jit(do_not_specialize=["max_seqlen", "threshold"])
 def _fwd_kernel(
     Q, K, V, O, LSE, CU_SEQLENS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_lse_h, nheads, qk_scale, dropout_p, SEED, max_seqlen,
+    stride_lse_h, nheads, qk_scale, threshold, keep_scale, SEED, max_seqlen,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -138,7 +128,7 @@ def _fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if HAS_DROPOUT:
-            keep = _dropout_keep(SEED, stream, pid_m * BLOCK_M, start_n, BLOCK_M, BLOCK_N, max_seqlen, dropout_p)
+            keep = _attention_keep(SEED, stream, pid_m * BLOCK_M, start_n, BLOCK_M, BLOCK_N, max_seqlen, threshold)
             p = tl.where(keep, p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -146,18 +136,18 @@ def _fwd_kernel(
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # never NaN, even for a row that saw no key
     acc = acc / l_safe[:, None]
     if HAS_DROPOUT:
-        acc = acc * (1.0 / (1.0 - dropout_p))
+        acc = acc * keep_scale
     o_ptrs = O + start64 * stride_ot + head * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :]
     tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
     tl.store(LSE + head * stride_lse_h + start + offs_m, m_i + tl.math.log2(l_safe), mask=mask_m)
 
 
-@triton.jit(do_not_specialize=["max_seqlen"])
+@triton.jit(do_not_specialize=["max_seqlen", "threshold"])
 def _bwd_dkdv_kernel(
     Q, K, V, O, DO, LSE, DELTA, DQ, DK, DV, CU_SEQLENS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_ot, stride_oh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-    stride_lse_h, nheads, qk_scale, softmax_scale, dropout_p, SEED, max_seqlen, min_len,
+    stride_lse_h, nheads, qk_scale, softmax_scale, threshold, keep_scale, SEED, max_seqlen, min_len,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED_DQ: tl.constexpr,
 ):
@@ -195,7 +185,6 @@ def _bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     stream = seq * nheads + head
-    scale_keep = 1.0 / (1.0 - dropout_p)
     for start_m in range(0, seqlen, BLOCK_M):
         rows = start_m + offs_m
         mask_m = rows < seqlen
@@ -214,10 +203,10 @@ def _bwd_dkdv_kernel(
         pT = tl.where(mask_n[:, None] & mask_m[None, :], pT, 0.0)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (dO V^T)^T
         if HAS_DROPOUT:
-            keepT = tl.trans(_dropout_keep(SEED, stream, start_m, pid_n * BLOCK_N, BLOCK_M, BLOCK_N, max_seqlen,
-                                           dropout_p))
-            dv = tl.dot(tl.where(keepT, pT * scale_keep, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-            dpT = tl.where(keepT, dpT * scale_keep, 0.0)
+            keepT = tl.trans(_attention_keep(SEED, stream, start_m, pid_n * BLOCK_N, BLOCK_M, BLOCK_N, max_seqlen,
+                                             threshold))
+            dv = tl.dot(tl.where(keepT, pT * keep_scale, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            dpT = tl.where(keepT, dpT * keep_scale, 0.0)
         else:
             dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
@@ -234,12 +223,12 @@ def _bwd_dkdv_kernel(
              dv.to(DV.dtype.element_ty), mask=mask_nd)
 
 
-@triton.jit(do_not_specialize=["max_seqlen"])
+@triton.jit(do_not_specialize=["max_seqlen", "threshold"])
 def _bwd_dq_kernel(
     Q, K, V, O, DO, LSE, DELTA, DQ, CU_SEQLENS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_ot, stride_oh, stride_dqt, stride_dqh,
-    stride_lse_h, nheads, qk_scale, softmax_scale, dropout_p, SEED, max_seqlen,
+    stride_lse_h, nheads, qk_scale, softmax_scale, threshold, keep_scale, SEED, max_seqlen,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -287,8 +276,8 @@ def _bwd_dq_kernel(
         p = tl.where(mask_m[:, None] & mask_n[None, :], p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
-            keep = _dropout_keep(SEED, stream, pid_m * BLOCK_M, start_n, BLOCK_M, BLOCK_N, max_seqlen, dropout_p)
-            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+            keep = _attention_keep(SEED, stream, pid_m * BLOCK_M, start_n, BLOCK_M, BLOCK_N, max_seqlen, threshold)
+            dp = tl.where(keep, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
 
@@ -297,12 +286,12 @@ def _bwd_dq_kernel(
              dq.to(DQ.dtype.element_ty), mask=mask_md)
 
 
-@triton.jit(do_not_specialize=["max_seqlen"])
+@triton.jit(do_not_specialize=["max_seqlen", "threshold"])
 def _bwd_short_kernel(
     Q, K, V, O, DO, LSE, DQ, DK, DV, CU_SEQLENS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-    stride_lse_h, nheads, qk_scale, softmax_scale, dropout_p, SEED, max_seqlen, min_len,
+    stride_lse_h, nheads, qk_scale, softmax_scale, threshold, keep_scale, SEED, max_seqlen, min_len,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -331,7 +320,6 @@ def _bwd_short_kernel(
     v = _load_rows(V, start64, head, stride_vt, stride_vh, offs_n, offs_d, mask_nd)
     dk = tl.zeros((BLOCK, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK, BLOCK_D), dtype=tl.float32)
-    scale_keep = 1.0 / (1.0 - dropout_p)
     for m0 in range(0, seqlen, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < seqlen
@@ -348,9 +336,9 @@ def _bwd_short_kernel(
         p = tl.where(mask_m[:, None] & mask_n[None, :], p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
-            keep = _dropout_keep(SEED, seq * nheads + head, m0, 0, BLOCK_M, BLOCK, max_seqlen, dropout_p)
-            p_dropped = tl.where(keep, p * scale_keep, 0.0)
-            dp = tl.where(keep, dp * scale_keep, 0.0)
+            keep = _attention_keep(SEED, seq * nheads + head, m0, 0, BLOCK_M, BLOCK, max_seqlen, threshold)
+            p_dropped = tl.where(keep, p * keep_scale, 0.0)
+            dp = tl.where(keep, dp * keep_scale, 0.0)
         else:
             p_dropped = p
         dv = tl.dot(tl.trans(p_dropped.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
@@ -386,10 +374,12 @@ _SHORT_BWD_MAX = 128
 # BLOCK -> (form, query block BLOCK_M, num_warps, num_stages) of the fused short backward. Forms: "keys",
 # the dK/dV kernel with FUSED_DQ (scores key-major); "queries", _bwd_short_kernel (scores query-major).
 # Chosen with attention dropout (BERT's training setting) by `benchmarks/bench_attention.py --sweep short`
-# on an H100 (fourth session, B=64 H=16 D=64, queries form: 128-token rows (32, 8) 139.9 us, whole 128-row
-# tile (128, 8) 141.9 us, which spills registers; 64-token rows (32, 4) 90.2 us).
+# on an H100 (fifth session, B=64 H=16 D=64, lengths uniform in [38, 128], p=0.1): 128-token rows, keys
+# form (16, 4, 2) 98.8 us, (32, 8, 2) 103.2 us, the queries form's best (32, 8, 1) 115.6 us. The keys form
+# at BLOCK 64 raised an illegal memory access on the H100 (Triton 3.6) in every launch shape tried, so the
+# shorter buckets keep the queries form (64-token rows (32, 4, 1) 73.1 us with dropout).
 _SHORT_BWD_LAUNCH = {16: ("queries", 16, 4, 1), 32: ("queries", 32, 4, 1), 64: ("queries", 32, 4, 1),
-                     128: ("queries", 32, 8, 1)}
+                     128: ("keys", 16, 4, 2)}
 _INTERPRETER_CONFIG = (32, 32, 1, 1)
 
 
@@ -421,6 +411,11 @@ def _short_bwd_launch(block: int, device: torch.device):
     return (form, block_m, warps, stages) if device.type == "cuda" else (form, min(16, block), 1, 1)
 
 
+def _dropout_args(dropout_p: float):
+    """The kernels' (threshold, keep_scale): drop below the 16-bit threshold, scale kept values by 1 / (1 - p)."""
+    return drop_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
+
+
 def _kernel_constants(q: torch.Tensor, dropout_p: float) -> dict:
     head_dim = q.shape[-1]
     return dict(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
@@ -443,7 +438,7 @@ def varlen_attention_forward(q, k, v, cu_seqlens, max_seqlen: int, dropout_p: fl
     _fwd_kernel[grid](
         q, k, v, out, lse, cu_seqlens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        lse.stride(0), nheads, softmax_scale * _LOG2E, dropout_p, seed, max_seqlen,
+        lse.stride(0), nheads, softmax_scale * _LOG2E, *_dropout_args(dropout_p), seed, max_seqlen,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **_kernel_constants(q, dropout_p))
     return out, lse
 
@@ -468,7 +463,8 @@ def _backward_packed(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, dropo
         return dqkv
     consts = _kernel_constants(q, dropout_p)
     blocks = _short_bwd_blocks(head_dim, max_seqlen)
-    common = (lse.stride(0), nheads, softmax_scale * _LOG2E, softmax_scale, dropout_p, seed, max_seqlen)
+    common = (lse.stride(0), nheads, softmax_scale * _LOG2E, softmax_scale, *_dropout_args(dropout_p), seed,
+              max_seqlen)
     strides_in = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                   dout.stride(0), dout.stride(1), out.stride(0), out.stride(1), dq.stride(0), dq.stride(1))
     strides_kv = (dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1))

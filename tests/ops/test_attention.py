@@ -178,25 +178,6 @@ def test_dropout_keep_fraction_and_scaling():
     assert (keep[:64] != keep[64:128]).float().mean() > 0.2
 
 
-def test_dropout_bits_unbiased_and_independent():
-    """Each Philox call gives the keep bits of 8 adjacent keys (16 random bits each): every one of the 8
-    positions keeps 1 - p of its keys, and neighbours (in one call, across calls, across rows) are
-    independent. Wiring two positions to the same bits, or a biased slice, fails here."""
-    lengths, heads, p = [96, 96], 4, 0.5
-    keep, _ = dropout_mask(lengths, heads, p, seed=4321)
-    keep = keep.cpu().permute(1, 0, 2).reshape(heads * sum(lengths), -1).float()  # (rows, keys), all valid
-    n = keep.shape[0]
-    for pos in range(8):
-        frac = keep[:, pos::8].mean().item()
-        assert abs(frac - (1 - p)) < 5 * math.sqrt(p * (1 - p) / keep[:, pos::8].numel()), (pos, frac)
-    both = 0.25  # P(two independent keys both kept) at p = 0.5
-    sd = math.sqrt(both * (1 - both) / (n * 80))
-    pairs = [(f"keys {d} apart", keep[:, :-d], keep[:, d:]) for d in range(1, 17)] + [("next row", keep[:-1], keep[1:])]
-    for name, a, b in pairs:
-        joint = (a * b)[:, :80].mean().item()
-        assert abs(joint - both) < 5 * sd, f"{name}: P(both kept) {joint:.4f}, expected {both}"
-
-
 def test_dropout_same_seed_reproducible():
     lengths = [40, 9, 1]
     keep_a, out_a = dropout_mask(lengths, 2, 0.2, seed=7)

@@ -171,12 +171,15 @@ def test_mixed_dtypes_like_autocast():
 
 
 def test_dropout_mask_has_no_pattern():
-    """Each Philox call serves four adjacent columns: neighbours (same call, next call, next row)
-    must still be independent, and every column keeps about 1 - p."""
+    """Each Philox call serves eight adjacent columns (16 random bits each; the attention kernels draw
+    theirs the same way): neighbours at every distance within and across calls, and in the next row,
+    must still be independent, and every column keeps about 1 - p. Wiring two columns to the same
+    bits, or a biased half, fails here."""
     rows, n, p = 256, 203, 0.5
     keep = dropout_mask(9, rows, n, p, DEVICE).float()
     sigma = lambda count: 5 * (0.25 / count) ** 0.5  # noqa: E731
-    for a, b in ((keep[:, :-1], keep[:, 1:]), (keep[:, :-4], keep[:, 4:]), (keep[:-1], keep[1:])):
+    pairs = [(keep[:, :-d], keep[:, d:]) for d in range(1, 17)] + [(keep[:-1], keep[1:])]
+    for a, b in pairs:
         agree = (a == b).float().mean().item()
         assert abs(agree - 0.5) < sigma(a.numel()), agree
     per_col = keep.mean(0)
