@@ -157,7 +157,7 @@ def _bwd_dkdv_kernel(
 
     FUSED_DQ: the whole backward of a sequence whose keys all fit the block (min_len < length <=
     BLOCK_N, grid (1, seq, head)). Holding every key, the program finishes each query block's dQ itself
-    (dQ^T = K^T dS^T: dS^T goes through shared memory once) and computes delta = rowsum(O * dO) from O;
+    (dQ = dS K: dS^T goes through shared memory once) and computes delta = rowsum(O * dO) from O;
     one launch, no atomics, K and V read once. Otherwise DELTA comes from the dQ kernel, which ran first.
     """
     pid_n = tl.program_id(0)
@@ -212,9 +212,9 @@ def _bwd_dkdv_kernel(
         dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
         dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
         if FUSED_DQ:
-            dqT = tl.dot(tl.trans(k), dsT, input_precision=DOT_PRECISION) * softmax_scale  # (BLOCK_D, BLOCK_M)
-            tl.store(DQ + start64 * stride_dqt + head * stride_dqh + rows[None, :] * stride_dqt + offs_d[:, None],
-                     dqT.to(DQ.dtype.element_ty), mask=mask_m[None, :] & mask_d[:, None])
+            dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION) * softmax_scale  # (BLOCK_M, BLOCK_D)
+            tl.store(DQ + start64 * stride_dqt + head * stride_dqh + rows[:, None] * stride_dqt + offs_d[None, :],
+                     dq.to(DQ.dtype.element_ty), mask=mask_md)
 
     dk = dk * softmax_scale
     tl.store(DK + start64 * stride_dkt + head * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
