@@ -228,12 +228,9 @@ def bench_case(case) -> list[dict]:
 # ---------------------------------------------------------------------------------- launch-config sweep
 SWEEP_SHORT = {  # sequences <= 128
     "fwd": [(64, 64, 4, 3), (64, 32, 4, 3), (32, 32, 4, 3), (64, 128, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2)],
-    # (form, query block BLOCK_M, num_warps, num_stages) of the fused short backward, per length bucket; forms:
-    # "keys" (the dK/dV kernel with FUSED_DQ), "queries" (_bwd_short_kernel)
-    "bwd128": [("queries", 32, 8, 1), ("keys", 16, 4, 2), ("keys", 16, 4, 1), ("keys", 16, 4, 3), ("keys", 32, 4, 2),
-               ("keys", 32, 8, 2), ("keys", 64, 8, 1)],
-    # the keys form at BLOCK 64 raised an illegal memory access on the H100 (Triton 3.6): not a candidate
-    "bwd64": [("queries", 32, 4, 1), ("queries", 16, 4, 1), ("queries", 32, 4, 2), ("queries", 64, 4, 1)],
+    # (query block BLOCK_M, num_warps, num_stages) of the fused short backward, per length bucket
+    "bwd128": [(64, 8, 1), (32, 4, 2), (16, 4, 2), (32, 8, 2), (64, 8, 2)],
+    "bwd64": [(32, 4, 1), (64, 4, 1), (32, 4, 2), (16, 4, 2)],
 }
 SWEEP_LONG = {  # longer sequences: the two-kernel backward
     "fwd": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (128, 128, 8, 3), (64, 128, 4, 3)],
@@ -335,7 +332,7 @@ def main(argv=None) -> int:
     result["meta"] = dict(
         device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, dtype="bfloat16",
         configs={"/".join(map(str, k)): v for k, v in attn._GPU_CONFIGS.items()},
-        short_bwd=dict(max_seqlen=attn._SHORT_BWD_MAX, form_block_m_warps_stages=attn._SHORT_BWD_LAUNCH))
+        short_bwd=dict(max_seqlen=attn._SHORT_BWD_MAX, block_m_warps_stages=attn._SHORT_BWD_LAUNCH))
     print(json.dumps(result["meta"]), flush=True)
     for shape in shapes:
         for dist in dists:

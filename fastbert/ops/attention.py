@@ -157,7 +157,8 @@ def _bwd_dkdv_kernel(
 
     FUSED_DQ: the whole backward of a sequence whose keys all fit the block (min_len < length <=
     BLOCK_N, grid (1, seq, head)). Holding every key, the program finishes each query block's dQ itself
-    (dQ = dS K: dS^T goes through shared memory once) and computes delta = rowsum(O * dO) from O;
+    (dQ = dS K: dS^T goes through shared memory once; computing dQ^T = K^T dS^T and storing it transposed
+    raised illegal memory accesses on the H100 with Triton 3.6) and computes delta = rowsum(O * dO) from O;
     one launch, no atomics, K and V read once. Otherwise DELTA comes from the dQ kernel, which ran first.
     """
     pid_n = tl.program_id(0)
@@ -286,76 +287,6 @@ def _bwd_dq_kernel(
              dq.to(DQ.dtype.element_ty), mask=mask_md)
 
 
-@triton.jit(do_not_specialize=["max_seqlen", "threshold"])
-def _bwd_short_kernel(
-    Q, K, V, O, DO, LSE, DQ, DK, DV, CU_SEQLENS,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot, stride_doh,
-    stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-    stride_lse_h, nheads, qk_scale, softmax_scale, threshold, keep_scale, SEED, max_seqlen, min_len,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """Whole backward of one (sequence, head) whose length fits one BLOCK: grid (seq, head).
-
-    For BERT's short sequences this beats the two-kernel path: K and V are read once, the scores and
-    their exponentials are computed once (five GEMMs instead of seven), one launch, no atomics. The
-    program holds every key (dK, dV accumulate over query chunks of BLOCK_M rows) and so finishes each
-    chunk's dQ itself. Chunks keep the (BLOCK_M, BLOCK) score tiles small: whole 128 x 128 tiles of P,
-    dP and dS spill registers (seen in the sm_90 compile report: 255 registers and a 1.6 KB stack with
-    dropout). Sequences with length <= min_len are left to a launch with a smaller BLOCK.
-    """
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    start = tl.load(CU_SEQLENS + seq)
-    seqlen = tl.load(CU_SEQLENS + seq + 1) - start
-    if (seqlen <= min_len) | (seqlen > BLOCK):
-        return
-    start64 = start.to(tl.int64)
-    offs_n = tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_n = offs_n < seqlen
-    mask_d = offs_d < HEAD_DIM
-    mask_nd = mask_n[:, None] & mask_d[None, :]
-    k = _load_rows(K, start64, head, stride_kt, stride_kh, offs_n, offs_d, mask_nd)
-    v = _load_rows(V, start64, head, stride_vt, stride_vh, offs_n, offs_d, mask_nd)
-    dk = tl.zeros((BLOCK, BLOCK_D), dtype=tl.float32)
-    dv = tl.zeros((BLOCK, BLOCK_D), dtype=tl.float32)
-    for m0 in range(0, seqlen, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < seqlen
-        mask_md = mask_m[:, None] & mask_d[None, :]
-        rows = offs_m[:, None]
-        cols = offs_d[None, :]
-        q = _load_rows(Q, start64, head, stride_qt, stride_qh, offs_m, offs_d, mask_md)
-        o = _load_rows(O, start64, head, stride_ot, stride_oh, offs_m, offs_d, mask_md)
-        do = _load_rows(DO, start64, head, stride_dot, stride_doh, offs_m, offs_d, mask_md)
-        lse = tl.load(LSE + head * stride_lse_h + start + offs_m, mask=mask_m, other=0.0)
-        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK)
-        p = tl.math.exp2(qk - lse[:, None])
-        p = tl.where(mask_m[:, None] & mask_n[None, :], p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        if HAS_DROPOUT:
-            keep = _attention_keep(SEED, seq * nheads + head, m0, 0, BLOCK_M, BLOCK, max_seqlen, threshold)
-            p_dropped = tl.where(keep, p * keep_scale, 0.0)
-            dp = tl.where(keep, dp * keep_scale, 0.0)
-        else:
-            p_dropped = p
-        dv = tl.dot(tl.trans(p_dropped.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
-        ds = (p * (dp - delta[:, None])).to(q.dtype)
-        dq = tl.dot(ds, k, input_precision=DOT_PRECISION) * softmax_scale
-        tl.store(DQ + start64 * stride_dqt + head * stride_dqh + rows * stride_dqt + cols, dq.to(DQ.dtype.element_ty),
-                 mask=mask_md)
-        dk = tl.dot(tl.trans(ds), q, dk, input_precision=DOT_PRECISION)
-    dk = dk * softmax_scale
-    rows = offs_n[:, None]
-    cols = offs_d[None, :]
-    tl.store(DV + start64 * stride_dvt + head * stride_dvh + rows * stride_dvt + cols, dv.to(DV.dtype.element_ty),
-             mask=mask_nd)
-    tl.store(DK + start64 * stride_dkt + head * stride_dkh + rows * stride_dkt + cols, dk.to(DK.dtype.element_ty),
-             mask=mask_nd)
-
-
 # ============================================================================ host wrappers
 # Launch configurations as (BLOCK_M, BLOCK_N, num_warps, num_stages) per (kernel, head_dim bucket,
 # max_seqlen bucket), chosen for BERT on Hopper from `benchmarks/bench_attention.py --sweep`.
@@ -371,15 +302,13 @@ _GPU_CONFIGS = {
     ("dkdv", 128, "long"): (32, 64, 4, 2),
 }
 _SHORT_BWD_MAX = 128
-# BLOCK -> (form, query block BLOCK_M, num_warps, num_stages) of the fused short backward. Forms: "keys",
-# the dK/dV kernel with FUSED_DQ (scores key-major); "queries", _bwd_short_kernel (scores query-major).
-# Chosen with attention dropout (BERT's training setting) by `benchmarks/bench_attention.py --sweep short`
-# on an H100 (fifth session, B=64 H=16 D=64, lengths uniform in [38, 128], p=0.1): 128-token rows, keys
-# form (16, 4, 2) 98.8 us, (32, 8, 2) 103.2 us, the queries form's best (32, 8, 1) 115.6 us. The keys form
-# at BLOCK 64 raised an illegal memory access on the H100 (Triton 3.6) in every launch shape tried, so the
-# shorter buckets keep the queries form (64-token rows (32, 4, 1) 73.1 us with dropout).
-_SHORT_BWD_LAUNCH = {16: ("queries", 16, 4, 1), 32: ("queries", 32, 4, 1), 64: ("queries", 32, 4, 1),
-                     128: ("keys", 16, 4, 2)}
+# BLOCK -> (query block BLOCK_M, num_warps, num_stages) of the fused short backward (the dK/dV kernel with
+# FUSED_DQ), chosen with attention dropout (BERT's training setting) on an H100 (fifth session, each launch
+# shape in its own process, checked against the former query-major kernel; B=128 H=16 D=64, p=0.1): 128-token
+# rows (64, 8, 1) 234.6 us on full rows, 178.9 us with lengths uniform in [38, 128] (the former query-major
+# kernel's best, (32, 8, 1): 281.0 / 203.3 us); 64-token rows (32, 4, 1) 77.0 us on real paragraph lengths
+# (B=64; former 77.7 us).
+_SHORT_BWD_LAUNCH = {16: (16, 4, 1), 32: (32, 4, 1), 64: (32, 4, 1), 128: (64, 8, 1)}
 _INTERPRETER_CONFIG = (32, 32, 1, 1)
 
 
@@ -405,10 +334,9 @@ def _short_bwd_blocks(head_dim: int, max_seqlen: int):
 
 
 def _short_bwd_launch(block: int, device: torch.device):
-    """(form, BLOCK_M, num_warps, num_stages) of the fused short backward for ``block`` (the interpreter:
-    16-row query blocks, to exercise the loop)."""
-    form, block_m, warps, stages = _SHORT_BWD_LAUNCH[block]
-    return (form, block_m, warps, stages) if device.type == "cuda" else (form, min(16, block), 1, 1)
+    """(BLOCK_M, num_warps, num_stages) of the fused short backward for ``block`` (the interpreter: 16-row
+    query blocks, to exercise the loop)."""
+    return _SHORT_BWD_LAUNCH[block] if device.type == "cuda" else (min(16, block), 1, 1)
 
 
 def _dropout_args(dropout_p: float):
@@ -471,18 +399,10 @@ def _backward_packed(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, dropo
     if blocks is not None:
         min_len = 0
         for block in blocks:
-            form, block_m, warps, stages = _short_bwd_launch(block, q.device)
-            if form == "keys":
-                _bwd_dkdv_kernel[(1, batch, nheads)](
-                    q, k, v, out, dout, lse, lse, dq, dk, dv, cu_seqlens, *strides_in, *strides_kv, *common, min_len,
-                    BLOCK_M=block_m, BLOCK_N=block, FUSED_DQ=True, num_warps=warps, num_stages=stages, **consts)
-            else:
-                _bwd_short_kernel[(batch, nheads)](
-                    q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens,
-                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                    out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
-                    *strides_kv, *common, min_len,
-                    BLOCK=block, BLOCK_M=block_m, num_warps=warps, num_stages=stages, **consts)
+            block_m, warps, stages = _short_bwd_launch(block, q.device)
+            _bwd_dkdv_kernel[(1, batch, nheads)](
+                q, k, v, out, dout, lse, lse, dq, dk, dv, cu_seqlens, *strides_in, *strides_kv, *common, min_len,
+                BLOCK_M=block_m, BLOCK_N=block, FUSED_DQ=True, num_warps=warps, num_stages=stages, **consts)
             min_len = block
         return dqkv
     delta = torch.empty((nheads, total), dtype=torch.float32, device=q.device)

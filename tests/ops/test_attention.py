@@ -60,18 +60,14 @@ def assert_close_to_reference(lengths, heads, head_dim, dtype, device=DEVICE, at
 
 
 # ---------------------------------------------------------------------------------- CPU (interpreter)
-@pytest.fixture(params=["short-keys", "short-queries", "two-kernel"])
+@pytest.fixture(params=["fused-short", "two-kernel"])
 def backward_path(request, monkeypatch):
-    """Sequences up to 128 tokens take a one-program-per-(sequence, head) backward (scores key-major in the
-    dK/dV kernel, or query-major in _bwd_short_kernel); longer ones the dQ + dK/dV kernels. Run short
-    batches through every path."""
+    """Sequences up to 128 tokens take a one-program-per-(sequence, head) backward (the dK/dV kernel that
+    also finishes dQ); longer ones the dQ + dK/dV kernels. Run short batches through every path."""
     import fastbert.ops.attention as attn
 
     if request.param == "two-kernel":
         monkeypatch.setattr(attn, "_SHORT_BWD_MAX", 0)
-    else:
-        form = request.param.split("-")[1]
-        monkeypatch.setattr(attn, "_SHORT_BWD_LAUNCH", {b: (form, *c[1:]) for b, c in attn._SHORT_BWD_LAUNCH.items()})
     return request.param
 
 
