@@ -183,17 +183,6 @@ def cublas_gelu(x, w, b):
     return F.gelu(F.linear(x, w, b))
 
 
-def report_autotune(label, top=6):
-    """The fastest tile configs of the last FFN autotune (which config wins, and by how much)."""
-    from fastbert.ops.ffn import _linear_bias_gelu_kernel as kern
-    timings = getattr(kern, "configs_timings", None) or {}
-    ranked = sorted(timings.items(), key=lambda kv: kv[1][0] if isinstance(kv[1], (list, tuple)) else kv[1])
-    for cfg, t in ranked[:top]:
-        ms = t[0] if isinstance(t, (list, tuple)) else t
-        print(f"  autotune {label}: {ms:.4f} ms  {cfg.kwargs} warps={cfg.num_warps} stages={cfg.num_stages}",
-              flush=True)
-
-
 def bench_ffn(k, compile_):
     g = gen(1)
     m, n = TOKENS, 4 * k
@@ -223,14 +212,12 @@ def bench_ffn(k, compile_):
         record("ffn", shape, "fwd (inference)", "cuBLAS GEMM+bias alone (no GELU)", t, p, flops=flops, eager_ms=t_e)
         t, p = timed(lambda: linear_bias_gelu(x, w, b))
         record("ffn", shape, "fwd (inference)", "fastbert", t, p, flops=flops, eager_ms=t_e)
-        report_autotune("inference")
     # training: the forward also keeps the pre-activation for the backward (as eager torch does)
     ins = leaves((x, w, b))
     t_e, p_e = timed(lambda: cublas_gelu(*ins))
     record("ffn", shape, "fwd (training)", "cuBLAS + F.gelu", t_e, p_e, flops=flops, eager_ms=t_e)
     t, p = timed(lambda: linear_bias_gelu(*ins))
     record("ffn", shape, "fwd (training)", "fastbert", t, p, flops=flops, eager_ms=t_e)
-    report_autotune("training")
     t_e, p_e = timed(grad_fn(lambda: cublas_gelu(*ins), ins, [dy]))
     record("ffn", shape, "fwd+bwd", "cuBLAS + F.gelu", t_e, p_e, flops=3 * flops, eager_ms=t_e)
     comp = maybe_compile(cublas_gelu, compile_)

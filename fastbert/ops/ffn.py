@@ -1,4 +1,4 @@
-"""FFN up-projection with bias + GELU in the GEMM epilogue: ``gelu(x @ weight.T + bias)``.
+"""FFN up-projection with bias + GELU: ``gelu(x @ weight.T + bias)``.
 
 ``approximate`` is ``"none"`` (exact erf GELU, BERT's) or ``"tanh"``. This file holds the
 plain-PyTorch reference; the Triton kernels live beside it.
@@ -14,15 +14,16 @@ def linear_bias_gelu_ref(x, weight, bias, approximate="none"):
 
 
 # ============================================================================= Triton kernels
-# Everything below is the fused path: a tiled GEMM (fp32 accumulation) whose epilogue adds the bias
-# and applies GELU before the single store, so the (tokens, 4*hidden) pre-activation never makes a
-# round trip through memory. With grad enabled the pre-activation is also stored (as eager torch
-# keeps it) for the backward, whose elementwise GELU derivative is one fused kernel that also
-# reduces d(bias); dgrad / wgrad are cuBLAS matmuls.
+# Everything below is the fast path. The GEMM is cuBLAS's, with the bias in its epilogue; GELU is one
+# Triton pass over the pre-activation (kept for the backward when grad is on, as eager torch keeps
+# it, else overwritten in place); the backward's GELU derivative is one Triton pass that also reduces
+# d(bias); dgrad / wgrad are cuBLAS matmuls. A Triton GEMM with bias + GELU in its epilogue was this
+# file's forward until the fifth session: on an H100 it ran at 0.84-0.94x cuBLAS + a separate GELU
+# (`benchmarks/bench_ops.py --ops ffn`, benchmarks/RESULTS.md), so it is gone.
 import torch  # noqa: E402
 
 from fastbert.ops._common import (  # noqa: E402
-    INTERPRET, autocast_dtype, check_triton_device, num_sms, register_op, tl, triton)
+    autocast_dtype, check_triton_device, num_sms, register_op, tl, triton)
 
 @triton.jit
 def _tanh(u):
@@ -57,104 +58,12 @@ def gelu_grad(z, APPROX_TANH: tl.constexpr):
 
 
 @triton.jit
-def mm_tile(A, B, pid_m, pid_n, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
-            EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp32 tile ``A[pid_m rows] @ B[pid_n rows].T`` of A ``(M, K)`` and B ``(N, K)`` (B is a
-    weight in nn.Linear layout). Rows past M / N wrap around (modulo) so the loads need no row
-    masks; the caller masks the store."""
-    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = A + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = B + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None] * stride_bk
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
-    return acc
-
-
-def matmul_configs(small):
-    """Autotune space: H100 tiles for BERT GEMMs (M = tokens, N, K in 768..4096), each with the
-    epilogue whole or in two column halves (fewer live registers beside the accumulator); one
-    small tile under the interpreter, where every config would be executed on the CPU."""
-    if INTERPRET:
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4, "SPLIT_EPILOGUE": split},
-                              num_warps=4, num_stages=1) for split in (True,)]
-    # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split epilogue): the fastest of a wider sweep on
-    # an H100 at 32768 x 768 -> 3072 and 32768 x 1024 -> 4096 (bf16).
-    tiles = [(128, 256, 64, 8, 3, True), (128, 256, 64, 8, 4, True), (128, 256, 64, 8, 3, False),
-             # 96 KiB of shared memory: two programs per SM, one's epilogue overlapping the other's loop
-             (128, 128, 64, 4, 3, True), (256, 128, 64, 8, 3, False)]
-    if small:
-        tiles.append((64, 128, 64, 4, 4, True))
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "SPLIT_EPILOGUE": split},
-                          num_warps=w, num_stages=st)
-            for bm, bn, bk, w, st, split in tiles]
-
-
-def input_precision(dtype):
-    """fp32 inputs follow torch's TF32 switch for matmuls; 16-bit inputs are exact products anyway."""
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
-    return "tf32"
-
-
-@triton.jit
-def _bias_gelu_store(z, BIAS, Y, Z, rows, cols, M, N, stride_ym, stride_zm,
-                     HAS_BIAS: tl.constexpr, STORE_PRE: tl.constexpr, APPROX_TANH: tl.constexpr):
-    if HAS_BIAS:
-        z += tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    rows64 = rows.to(tl.int64)
-    if STORE_PRE:
-        tl.store(Z + rows64[:, None] * stride_zm + cols[None, :], z.to(Z.dtype.element_ty), mask=mask)
-    y = gelu(z, APPROX_TANH)
-    tl.store(Y + rows64[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-
-
-@triton.autotune(configs=matmul_configs(small=True), key=["M_BUCKET", "N", "K", "STORE_PRE", "APPROX_TANH"])
-@triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
-@triton.jit
-def _linear_bias_gelu_kernel(X, W, BIAS, Y, Z, M, N, K, M_BUCKET,
-                             stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_zm,
-                             HAS_BIAS: tl.constexpr, STORE_PRE: tl.constexpr, APPROX_TANH: tl.constexpr,
-                             INPUT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             GROUP_M: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr):
-    # Grouped tile order: GROUP_M row-tiles share their weight column-tiles in L2.
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * grid_n)
-    first_m = group * GROUP_M
-    group_size = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * grid_n)) % group_size
-    pid_n = (pid % (GROUP_M * grid_n)) // group_size
-
-    z = mm_tile(X, W, pid_m, pid_n, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                EVEN_K, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    if SPLIT_EPILOGUE:
-        # (BLOCK_M, BLOCK_N) -> two (BLOCK_M, BLOCK_N / 2) halves, finished one after the other
-        halves = tl.permute(tl.reshape(z, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-        z_lo, z_hi = tl.split(halves)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
-        _bias_gelu_store(z_lo, BIAS, Y, Z, rows, cols, M, N, stride_ym, stride_zm, HAS_BIAS, STORE_PRE, APPROX_TANH)
-        _bias_gelu_store(z_hi, BIAS, Y, Z, rows, cols + BLOCK_N // 2, M, N, stride_ym, stride_zm, HAS_BIAS,
-                         STORE_PRE, APPROX_TANH)
-    else:
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        _bias_gelu_store(z, BIAS, Y, Z, rows, cols, M, N, stride_ym, stride_zm, HAS_BIAS, STORE_PRE, APPROX_TANH)
+def _gelu_fwd_kernel(Z, Y, numel, APPROX_TANH: tl.constexpr, BLOCK: tl.constexpr):
+    """y = gelu(z) over a flat block (Y may be Z: in place)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    z = tl.load(Z + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + offs, gelu(z, APPROX_TANH).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -184,31 +93,20 @@ def _check_approximate(approximate):
         raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
 
 
+_GELU_BLOCK = 4096
+
+
 def linear_bias_gelu_fwd(x, weight, bias, approximate, store_pre):
     """``x (..., K) -> (y, z)``: y = gelu(x @ weight.T + bias) like x; z the pre-activation when
     ``store_pre`` (for the backward) else an empty tensor."""
-    k = x.shape[-1]
     n = weight.shape[0]
-    x2 = x.reshape(-1, k)  # (M, K)
-    m = x2.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    z = torch.empty((m, n) if store_pre else (0,), dtype=x.dtype, device=x.device)
-    if m > 0 and n > 0:
-        if k == 0:  # empty reduction: z = bias (no kernel for it)
-            z0 = (bias if bias is not None else x.new_zeros(n)).float().expand(m, n)
-            y.copy_(F.gelu(z0, approximate=approximate))
-            if store_pre:
-                z.copy_(z0)
-        else:
-            def grid(meta):
-                return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-            _linear_bias_gelu_kernel[grid](
-                x2, weight, bias, y, z, m, n, k, triton.next_power_of_2(m),
-                x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), y.stride(0), n,
-                HAS_BIAS=bias is not None, STORE_PRE=store_pre, APPROX_TANH=approximate == "tanh",
-                INPUT_PRECISION=input_precision(x.dtype))
+    z = F.linear(x.reshape(-1, x.shape[-1]), weight, bias)  # (M, N), cuBLAS with the bias in its epilogue
+    y = torch.empty_like(z) if store_pre else z
+    if z.numel() > 0:
+        _gelu_fwd_kernel[(triton.cdiv(z.numel(), _GELU_BLOCK),)](
+            z, y, z.numel(), APPROX_TANH=approximate == "tanh", BLOCK=_GELU_BLOCK, num_warps=8)
     out_shape = (*x.shape[:-1], n)
-    return y.view(out_shape), z.view(out_shape) if store_pre else z
+    return y.view(out_shape), z.view(out_shape) if store_pre else z.new_empty((0,))
 
 
 def gelu_bwd(dy, z, approximate, with_bias_grad=True):

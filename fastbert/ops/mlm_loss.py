@@ -72,11 +72,45 @@ def _static_ref(hidden, labels, positions, dense_weight, dense_bias, ln_weight, 
 # matmuls accumulate d(hidden) and write the chunk's rows of d(decoder_weight).
 
 from fastbert.ops._common import INTERPRET, check_triton_device, register_op, tl, triton  # noqa: E402
-from fastbert.ops.ffn import input_precision, linear_bias_gelu, mm_tile  # noqa: E402
+from fastbert.ops.ffn import linear_bias_gelu  # noqa: E402
 from fastbert.ops.layer_norm import dropout_add_layer_norm  # noqa: E402
 
 # Elements of the (n x chunk) d(logits) buffer of the backward: 2^24 = 32 MiB in bf16.
 _BWD_CHUNK_ELEMS = 1 << 24
+
+
+def input_precision(dtype):
+    """fp32 inputs follow torch's TF32 switch for matmuls; 16-bit inputs are exact products anyway."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+@triton.jit
+def mm_tile(A, B, pid_m, pid_n, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
+            EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 tile ``A[pid_m rows] @ B[pid_n rows].T`` of A ``(M, K)`` and B ``(N, K)`` (B is a
+    weight in nn.Linear layout). Rows past M / N wrap around (modulo) so the loads need no row
+    masks; the caller masks the store."""
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = A + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = B + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
 
 
 def _lce_configs():

@@ -78,7 +78,7 @@ def test_probe_report_without_a_gpu(capsys):
     pytest.importorskip("triton")
     bench = load_bench()
     tuned = bench.autotuned_configs()
-    assert {"ffn._linear_bias_gelu_kernel", "mlm_loss._lce_fwd_kernel", "mlm_loss._lce_bwd_kernel"} <= set(tuned)
+    assert {"mlm_loss._lce_fwd_kernel", "mlm_loss._lce_bwd_kernel"} <= set(tuned)
     state = bench.process_state()
     assert state["threads"] >= 1 and state["torch_threads"] == torch.get_num_threads()
     run = dict(contender="fb-triton", ms_per_step=85.0, issue_ms_per_step=60.0, gemm_tflops=700.0, **state,
