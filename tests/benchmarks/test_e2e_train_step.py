@@ -27,7 +27,8 @@ def load_bench():
 @pytest.mark.parametrize("where", [[], ["--same-process"]], ids=["workers", "same-process"])
 def test_cpu_smoke(tmp_path, where):
     cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--preset", "tiny", "--seq", "32", "--batch", "4",
-           "--steps", "2", "--warmup", "1", "--contenders", "hf-sdpa,fb-torch", "--out", str(tmp_path), *where]
+           "--steps", "2", "--warmup", "1", "--contenders", "hf-sdpa,fb-torch", "--profile", "fb-torch",
+           "--out", str(tmp_path), *where]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads((tmp_path / "e2e_tiny_s32_b4_packed.json").read_text())
@@ -37,6 +38,8 @@ def test_cpu_smoke(tmp_path, where):
     assert abs(hf["check_loss"] - fb["check_loss"]) < 1e-3     # fp32, eval mode
     assert hf["ms_per_step"] > 0 and fb["ms_per_step"] > 0
     assert "| fb-torch |" in res.stdout
+    # --profile: the profiler's table beside the JSON (CPU self time here), its top on stdout
+    assert "Self CPU" in (tmp_path / "profile_fb-torch.txt").read_text() and "--- profile fb-torch" in res.stdout
 
 
 def test_failed_worker_is_reported_and_the_others_go_on(tmp_path, monkeypatch, capsys):
