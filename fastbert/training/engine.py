@@ -95,6 +95,9 @@ def init_distributed(timeout_s: float = 1800.0) -> DistInfo:
     if not has_cuda:
         # DeepSpeed picks its accelerator at import time; without CUDA it must be told "cpu".
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed  # before the world's variables are set: a missing DeepSpeed leaves them as they were
+
+    if not has_cuda:
         from fastbert.training import ds_ops
         ds_ops.announce_cpu_build(lambda text: print(text, flush=True) if os.environ.get("LOCAL_RANK", "0") == "0"
                                   else None)
@@ -107,7 +110,6 @@ def init_distributed(timeout_s: float = 1800.0) -> DistInfo:
         own_port = "MASTER_PORT" not in os.environ
         if own_port:
             os.environ["MASTER_PORT"] = str(_free_port())
-    import deepspeed
     import torch.distributed as dist
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -157,6 +157,11 @@ def start(settings: Optional[dict] = None, log: Callable[[str], None] = print) -
         dist = init_distributed(timeout_s=float(s["collective_timeout_s"]))
     except PreflightError:
         raise
+    except ImportError as e:  # not a rendezvous problem: say what is missing
+        raise PreflightError(
+            f"training runs through DeepSpeed, which this Python ({sys.executable}) cannot import ({e}); install "
+            "it into the same environment: scripts/install.sh does (README, Quick start), or "
+            "pip install --no-build-isolation deepspeed") from None
     except Exception as e:  # noqa: BLE001 - torch raises several types for a failed rendezvous
         raise PreflightError(
             f"rank {rank} of {world}: the process group did not form within {s['collective_timeout_s']:.0f} s "

@@ -35,6 +35,19 @@ def test_version_mismatch_names_the_ranks():
     compare_ranks([dict(base, rank=0, host="a"), dict(base, rank=1, host="b")])
 
 
+def test_missing_deepspeed_is_named_and_the_environment_untouched(monkeypatch):
+    """Without DeepSpeed the start names it (not "the process group did not form ... check MASTER_ADDR"), and
+    sets none of the world's variables (a later start in the process would take them for a launcher's)."""
+    from fastbert.training import preflight
+    monkeypatch.setitem(sys.modules, "deepspeed", None)          # `import deepspeed` raises ImportError
+    monkeypatch.setenv("DS_ACCELERATOR", os.environ.get("DS_ACCELERATOR", "cpu"))
+    world = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    with pytest.raises(PreflightError, match=r"DeepSpeed, which this Python \(.*\) cannot import") as info:
+        preflight.start({"preflight": False})
+    assert "process group" not in str(info.value) and "scripts/install.sh" in str(info.value)
+    assert {k: os.environ.get(k) for k in world} == world
+
+
 def test_unreachable_master_times_out_with_a_message():
     port = free_port()                     # nothing listens there
     t0 = time.monotonic()
