@@ -39,7 +39,7 @@ from fastbert.training.logging import MetricsLogger, peak_tflops
 from fastbert.training.manifest import build_manifest, write_manifest
 from fastbert.training.pretrain_metrics import Accumulator, evaluate, host_counts, static_inputs, train_metrics
 from fastbert.training.resume import choose_resume, model_signature, reseed, universal_if_needed
-from fastbert.training.schedules import Schedule, StepSchedule, TimeBudgetSchedule, make_clock, torch_all_reduce_max
+from fastbert.training.schedules import LaggedAllReduceMax, Schedule, StepSchedule, TimeBudgetSchedule, make_clock
 
 
 # ------------------------------------------------------------------------------------------ set-up
@@ -373,7 +373,7 @@ def build_schedule(t_cfg, dist: DistInfo) -> Schedule:
     if t_cfg.time_budget_s is not None:
         return TimeBudgetSchedule(lr, t_cfg.time_budget_s, t_cfg.warmup, t_cfg.schedule,
                                   clock=make_clock(t_cfg.clock, dist.rank),
-                                  all_reduce_max=torch_all_reduce_max(dist.device), max_steps=t_cfg.max_steps)
+                                  all_reduce_max=LaggedAllReduceMax(dist.device), max_steps=t_cfg.max_steps)
     return StepSchedule(lr, t_cfg.max_steps, t_cfg.warmup, t_cfg.schedule)
 
 

@@ -172,11 +172,13 @@ class TimeBudgetSchedule(Schedule):
     """Warmup + decay over a wall-clock budget of ``budget_s`` seconds of training.
 
     Call ``start()`` once all ranks are ready (after any resume), then ``tick()`` exactly once per
-    optimizer step, just before it: it reads the clock, agrees on the elapsed time across ranks
-    (MAX, so the slowest view of time wins and nobody overruns), and returns the learning rate for
-    that step. ``elapsed`` survives a resume through ``state_dict`` (time between a crash and the
-    restart is not counted: the budget measures training time). ``max_steps``, when set, is a hard cap
-    on the steps as well.
+    optimizer step, just before it: it reads the clock, agrees on the elapsed time across ranks (MAX,
+    so the slowest view of time wins) and returns the learning rate for that step. ``all_reduce_max``
+    may answer one call late (``LaggedAllReduceMax``: no wait on the device each step); every rank then
+    uses the same agreed time, one step old, so the learning rates and the last step agree everywhere
+    and a run may overrun its budget by one step. ``elapsed`` survives a resume through ``state_dict``
+    (time between a crash and the restart is not counted: the budget measures training time).
+    ``max_steps``, when set, is a hard cap on the steps as well.
     """
 
     kind = "time"
@@ -202,9 +204,12 @@ class TimeBudgetSchedule(Schedule):
         if self.t0 is None:
             self.start()
         local = self.offset + (self.clock() - self.t0)
-        if self.all_reduce_max is not None:
-            local = self.all_reduce_max(local)
-        return local
+        if self.all_reduce_max is None:
+            return local
+        agreed = self.all_reduce_max(local)
+        # A lagged reduction has nothing agreed at its first call: the elapsed time of the checkpoint (0 on
+        # a fresh start) is the same on every rank.
+        return self.offset if agreed is None else agreed
 
     def tick(self, step: int) -> float:
         """Read the clock (once) and return the learning rate of optimizer step ``step``."""
@@ -236,7 +241,11 @@ class TimeBudgetSchedule(Schedule):
         return left
 
     def state_dict(self) -> dict:
-        return {"kind": self.kind, "elapsed": self.elapsed, "budget_s": self.budget_s}
+        # A lagged agreement holds the time the next step will be given: a resume must start from it, so
+        # that its steps see the times and learning rates of the uninterrupted run.
+        peek = getattr(self.all_reduce_max, "peek", None)
+        ahead = peek() if peek is not None else None
+        return {"kind": self.kind, "elapsed": self.elapsed if ahead is None else ahead, "budget_s": self.budget_s}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("kind") != self.kind:
@@ -255,14 +264,44 @@ def _check(peak_lr, warmup, shape):
         raise ValueError(f"schedule shape {shape!r} is not known; use one of {sorted(SHAPES)}")
 
 
-def torch_all_reduce_max(device) -> Callable[[float], float]:
-    """An all-reduce (MAX) of one float64 over the default process group (identity without one)."""
-    import torch.distributed as dist
+class LaggedAllReduceMax:
+    """MAX of one float over the default process group, read one call late: each call starts the
+    reduction of this rank's value and returns the agreed value of the call before (None on the first), so
+    the host never waits for the step it just launched. On CUDA the result comes back through a pinned
+    host copy and an event recorded behind the previous step's work, as the guard's verdicts do; on the
+    CPU (gloo) the collective itself blocks. Identity (no lag) without a group or with one rank."""
 
-    def reduce(x: float) -> float:
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self._pending: Optional[tuple] = None
+
+    def __call__(self, x: float) -> Optional[float]:
+        import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return x
-        t = torch.tensor([x], dtype=torch.float64, device=device)
+        cuda = self.device.type == "cuda"
+        t = torch.tensor([x], dtype=torch.float64, pin_memory=cuda)
+        if cuda:
+            t = t.to(self.device, non_blocking=True)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
-    return reduce
+        done = None
+        if cuda:
+            host = torch.empty(1, dtype=torch.float64, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            t = host
+        previous, self._pending = self._pending, (t, done)
+        return None if previous is None else self._read(previous)
+
+    def peek(self) -> Optional[float]:
+        """The agreed value of the last call (waits for it), still to be returned by the next call; None
+        when there is none. For a checkpoint: it holds the time the next step will be given."""
+        return None if self._pending is None else self._read(self._pending)
+
+    @staticmethod
+    def _read(pending: tuple) -> float:
+        value, done = pending
+        if done is not None:
+            done.synchronize()
+        return float(value[0])      # a host tensor

@@ -57,6 +57,38 @@ def test_time_budget_agrees_on_max_and_resumes():
         s1.load_state_dict(StepSchedule(1.0, 10).state_dict())
 
 
+def test_time_budget_with_a_lagged_agreement():
+    """LaggedAllReduceMax answers one call late: the first tick uses the checkpoint's elapsed time (0 fresh,
+    the same on every rank), later ticks the time agreed at the tick before, so every rank takes the same
+    learning rate and stops at the same step (at most one step past the budget)."""
+    answers = iter([None, 1.5, 3.0, 4.5, 6.0])                 # what the other ranks agreed, one call late
+    s = TimeBudgetSchedule(1.0, 4.0, 0.0, clock=FakeClock(1.0), all_reduce_max=lambda x: next(answers))
+    s.start()
+    lrs = [s.tick(step) for step in range(4)]
+    assert lrs == pytest.approx([1.0, 1 - 1.5 / 4, 1 - 3.0 / 4, 0.0])
+    assert [s.done(3), s.elapsed] == [True, 4.5]
+
+
+def test_lagged_all_reduce_max(monkeypatch):
+    """Without a process group (or with one rank) it is the identity; with several ranks each call starts a
+    reduction and returns the previous call's result (here gloo's blocking path, faked: MAX with 2.0)."""
+    import torch.distributed as dist
+    from fastbert.training.schedules import LaggedAllReduceMax
+    assert LaggedAllReduceMax("cpu")(3.0) == 3.0
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, group=None: t.clamp_(min=2.0))
+    reduce = LaggedAllReduceMax("cpu")
+    assert reduce.peek() is None
+    assert [reduce(x) for x in (1.0, 5.0, 0.5)] == [None, 2.0, 5.0]
+    assert reduce.peek() == 2.0                                 # what the next call will return
+    # A checkpoint stores that value: resuming from it, the next step sees what it would have seen.
+    s = TimeBudgetSchedule(1.0, 10.0, 0.0, clock=FakeClock(3.0), all_reduce_max=reduce)
+    s.start()
+    s.tick(0)                                                   # submits 3.0, is given the 2.0 agreed before
+    assert s.elapsed == 2.0 and s.state_dict()["elapsed"] == 3.0
+
+
 def test_durations_and_clocks():
     assert parse_duration("24h") == 86400 and parse_duration("1h30m") == 5400 and parse_duration(90) == 90
     assert parse_duration("2.5m") == 150
