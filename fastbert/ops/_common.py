@@ -178,19 +178,13 @@ def row_block(n_cols: int):
     return block_m, block_n, num_warps
 
 
-# Row-wise backward launch (LayerNorm, embeddings): rows per tile = the forward's // ROWS_DIVISOR (the
-# backward holds more live tiles per row), PROGRAMS_PER_SM programs per SM on the GPU.
-BWD_ROWS_DIVISOR = 2
-BWD_PROGRAMS_PER_SM = 2
-
-
 def bwd_row_partition(m: int, n_cols: int, device: torch.device):
     """(BLOCK_M, BLOCK_N, num_warps, programs, rows_per_program) for a row-wise backward that also
-    reduces column sums (LayerNorm, embeddings): a few programs per SM, each walking whole BLOCK_M
-    strips of its rows and writing one partial sum per program."""
+    reduces column sums (LayerNorm, embeddings): about two programs per SM, each walking whole
+    BLOCK_M strips of its rows and writing one partial sum per program."""
     block_m, block_n, num_warps = row_block(n_cols)
-    block_m = max(1, block_m // BWD_ROWS_DIVISOR)
-    programs = max(1, min(triton.cdiv(m, block_m), num_sms(device) * BWD_PROGRAMS_PER_SM))
+    block_m = max(1, block_m // 2)  # the backward holds more live tiles per row
+    programs = max(1, min(triton.cdiv(m, block_m), num_sms(device) * 2))
     rows_per_program = triton.cdiv(triton.cdiv(max(m, 1), programs), block_m) * block_m
     programs = max(1, triton.cdiv(m, rows_per_program))
     return block_m, block_n, num_warps, programs, rows_per_program

@@ -94,8 +94,6 @@ def _check_approximate(approximate):
 
 
 _GELU_BLOCK = 4096
-# GELU backward launch: (BLOCK_M, widest BLOCK_N, num_warps, programs per SM).
-_GELU_BWD_LAUNCH = (16, 256, 4, 8)
 
 
 def linear_bias_gelu_fwd(x, weight, bias, approximate, store_pre):
@@ -118,18 +116,18 @@ def gelu_bwd(dy, z, approximate, with_bias_grad=True):
     z2 = z.reshape(-1, n)
     m = z2.shape[0]
     dz = torch.empty((m, n), dtype=z.dtype, device=z.device)
-    block_m, block_n, warps, per_sm = _GELU_BWD_LAUNCH
-    block_n = min(triton.next_power_of_2(max(n, 1)), block_n)
+    block_n = min(triton.next_power_of_2(max(n, 1)), 256)
+    block_m = 16
     grid_n = triton.cdiv(n, block_n)
     # Enough row strips to fill the GPU (several programs per SM), each a multiple of BLOCK_M rows.
-    strips = max(1, min(triton.cdiv(m, block_m), triton.cdiv(num_sms(z.device) * per_sm, max(grid_n, 1))))
+    strips = max(1, min(triton.cdiv(m, block_m), triton.cdiv(num_sms(z.device) * 8, max(grid_n, 1))))
     rows_per_program = triton.cdiv(triton.cdiv(max(m, 1), strips), block_m) * block_m
     strips = max(1, triton.cdiv(m, rows_per_program))
     db_part = torch.zeros((strips, n), dtype=torch.float32, device=z.device)
     if m > 0 and n > 0:
         _gelu_bwd_kernel[(grid_n, strips)](
             dy2, z2, dz, db_part, m, n, rows_per_program, dy2.stride(0), z2.stride(0), n,
-            APPROX_TANH=approximate == "tanh", BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+            APPROX_TANH=approximate == "tanh", BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
     return dz.view(z.shape), db_part.sum(0)
 
 
