@@ -51,6 +51,8 @@ from typing import Optional
 
 import torch
 
+from fastbert.training.host_copy import HostCopy
+
 DEFAULTS = {
     "enabled": True,
     "window": 50,               # running median over the last N steps
@@ -118,8 +120,7 @@ class _Pending:
     host already knew."""
     step: int
     data_step: int
-    values: torch.Tensor          # [code, loss, loss median, grad norm, grad norm median] (float64)
-    done: Optional[torch.cuda.Event]
+    values: HostCopy              # [code, loss, loss median, grad norm, grad norm median] (float64)
     has_loss: bool
     has_norm: bool
     hook_decided: bool
@@ -302,14 +303,7 @@ class SpikeGuard:
         for row, v in ((0, loss), (1, norm)):
             self._history[row] = torch.where(torch.isfinite(v), torch.cat([self._history[row, 1:], v.reshape(1)]),
                                              self._history[row])
-        if self.device.type == "cuda":
-            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            host.copy_(values, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-        else:
-            host, done = values, None
-        record = _Pending(step, data_step, host, done, self._loss_t is not None, self._norm_t is not None,
+        record = _Pending(step, data_step, HostCopy(values), self._loss_t is not None, self._norm_t is not None,
                           self._hook_decided, applied, engine.precision == "fp16",
                           engine.loss_scale if not applied else None)
         self._reset_step()
@@ -339,9 +333,7 @@ class SpikeGuard:
         return out
 
     def _judge(self, rec: _Pending) -> Optional[Verdict]:
-        if rec.done is not None:
-            rec.done.synchronize()
-        code, loss, loss_median, norm, norm_median = rec.values.tolist()
+        code, loss, loss_median, norm, norm_median = rec.values.wait().tolist()
         known = lambda x: None if math.isnan(x) else x  # noqa: E731  (a median of no history)
         v = Verdict(step=rec.step, data_step=rec.data_step, loss=loss if rec.has_loss else None,
                     loss_median=known(loss_median), grad_norm=norm if rec.has_norm else None,

@@ -28,6 +28,8 @@ from typing import Callable, Optional
 
 import torch
 
+from fastbert.training.host_copy import HostCopy
+
 
 # ---------------------------------------------------------------------------------------- clocks
 class MonotonicClock:
@@ -267,13 +269,13 @@ def _check(peak_lr, warmup, shape):
 class LaggedAllReduceMax:
     """MAX of one float over the default process group, read one call late: each call starts the
     reduction of this rank's value and returns the agreed value of the call before (None on the first), so
-    the host never waits for the step it just launched. On CUDA the result comes back through a pinned
-    host copy and an event recorded behind the previous step's work, as the guard's verdicts do; on the
-    CPU (gloo) the collective itself blocks. Identity (no lag) without a group or with one rank."""
+    the host never waits for the step it just launched. On CUDA the result comes back as a ``HostCopy``
+    recorded behind the previous step's work, as the guard's verdicts do; on the CPU (gloo) the
+    collective itself blocks. Identity (no lag) without a group or with one rank."""
 
     def __init__(self, device):
         self.device = torch.device(device)
-        self._pending: Optional[tuple] = None
+        self._pending: Optional[HostCopy] = None
 
     def __call__(self, x: float) -> Optional[float]:
         import torch.distributed as dist
@@ -284,24 +286,10 @@ class LaggedAllReduceMax:
         if cuda:
             t = t.to(self.device, non_blocking=True)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        done = None
-        if cuda:
-            host = torch.empty(1, dtype=torch.float64, pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            t = host
-        previous, self._pending = self._pending, (t, done)
-        return None if previous is None else self._read(previous)
+        previous, self._pending = self._pending, HostCopy(t)
+        return None if previous is None else float(previous.wait()[0])
 
     def peek(self) -> Optional[float]:
         """The agreed value of the last call (waits for it), still to be returned by the next call; None
         when there is none. For a checkpoint: it holds the time the next step will be given."""
-        return None if self._pending is None else self._read(self._pending)
-
-    @staticmethod
-    def _read(pending: tuple) -> float:
-        value, done = pending
-        if done is not None:
-            done.synchronize()
-        return float(value[0])      # a host tensor
+        return None if self._pending is None else float(self._pending.wait()[0])
