@@ -14,6 +14,8 @@ $OUT/bench_ops.json.
 Contenders per op:
   ln    residual + bias + dropout + LayerNorm: fastbert | torch eager reference | torch.compile(reference)
   ffn   gelu(x @ W.T + b), up-projection: fastbert | cuBLAS (F.linear) + separate F.gelu | torch.compile
+  block the FFN block gelu(x @ W1.T + b1) @ W2.T, forward + backward, erf and tanh GELU: fastbert ffn (tanh:
+        GELU and its derivative in cuBLASLt's GEMM epilogues) | cuBLAS + separate F.gelu | torch.compile
   emb   word + position + type gather, LayerNorm, dropout: fastbert | eager reference | torch.compile
   mlm   MLM head + loss at batch 128 x seq 128, 15% masked, vocab 30522: fastbert sparse fused |
         HF BertOnlyMLMHead on every token + CrossEntropyLoss (dense) | the same compiled |
@@ -37,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fastbert.ops._common import dropout_mask  # noqa: E402
 from fastbert.ops.embeddings import bert_embeddings, bert_embeddings_ref  # noqa: E402
-from fastbert.ops.ffn import linear_bias_gelu, linear_bias_gelu_ref  # noqa: E402
+from fastbert.ops.ffn import ffn, ffn_ref, linear_bias_gelu, linear_bias_gelu_ref  # noqa: E402
 from fastbert.ops.layer_norm import dropout_add_layer_norm, dropout_add_layer_norm_ref  # noqa: E402
 from fastbert.ops.mlm_loss import sparse_mlm_loss, sparse_mlm_loss_ref  # noqa: E402
 
@@ -228,6 +230,36 @@ def bench_ffn(k, compile_):
     record("ffn", shape, "fwd+bwd", "fastbert", t, p, flops=3 * flops, eager_ms=t_e)
 
 
+def bench_block(k, compile_):
+    g = gen(5)
+    m, n = TOKENS, 4 * k
+    x = randn(m, k, g=g)
+    w1, b1 = randn(n, k, g=g, scale=k ** -0.5), randn(n, g=g, scale=0.1)
+    w2 = randn(k, n, g=g, scale=n ** -0.5)
+    dy = randn(m, k, g=g)
+    shape = f"{m}x{k}->{n}->{k}"
+    flops = 3 * 2 * (2 * m * n * k)  # two GEMMs, forward + backward
+    for approx in ("none", "tanh"):
+        results = []
+        for fn, dt in ((ffn, DT), (ffn_ref, DT), (ffn_ref, torch.float32)):
+            ins = leaves((x, w1, b1, w2), dt)
+            out = fn(*ins, approximate=approx)
+            results.append((out, torch.autograd.grad(out, ins, dy.to(dt))))
+        for i, name in enumerate(("out", "dx", "dw1", "db1", "dw2")):
+            get = (lambda r: r[0]) if i == 0 else (lambda r, i=i: r[1][i - 1])
+            check(f"block {approx} {shape} {name}", *(get(r) for r in results))
+        ins = leaves((x, w1, b1, w2))
+        mode = f"fwd+bwd, {approx} GELU"
+        t_e, p_e = timed(grad_fn(lambda: ffn_ref(*ins, approximate=approx), ins, [dy]))
+        record("block", shape, mode, "cuBLAS + F.gelu", t_e, p_e, flops=flops, eager_ms=t_e)
+        comp = maybe_compile(lambda *t: ffn_ref(*t, approximate=approx), compile_)
+        if comp is not None:
+            t, p = timed(grad_fn(lambda: comp(*ins), ins, [dy]))
+            record("block", shape, mode, "torch.compile", t, p, flops=flops, eager_ms=t_e)
+        t, p = timed(grad_fn(lambda: ffn(*ins, approximate=approx), ins, [dy]))
+        record("block", shape, mode, "fastbert", t, p, flops=flops, eager_ms=t_e)
+
+
 # ----------------------------------------------------------------------------- FP8 linears
 def bench_fp8(h, compile_):
     """The encoder's four linears at hidden ``h`` (QKV h->3h, attention output h->h, up h->4h, down 4h->h):
@@ -413,7 +445,8 @@ def print_table():
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ops", default="ln,ffn,emb,mlm,fp8", help="comma-separated subset of ln,ffn,emb,mlm,fp8")
+    ap.add_argument("--ops", default="ln,ffn,block,emb,mlm,fp8",
+                    help="comma-separated subset of ln,ffn,block,emb,mlm,fp8")
     ap.add_argument("--hidden", default=",".join(map(str, HIDDENS)), help="hidden sizes to sweep")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile contenders")
     ap.add_argument("--compile-hidden", default=None,
@@ -436,7 +469,7 @@ def main(argv=None):
     print(f"device: {name}  torch {torch.__version__}", flush=True)
     import triton
     print(f"triton {triton.__version__}", flush=True)
-    benches = {"ln": bench_ln, "ffn": bench_ffn, "emb": bench_emb, "mlm": bench_mlm, "fp8": bench_fp8}
+    benches = {"ln": bench_ln, "ffn": bench_ffn, "block": bench_block, "emb": bench_emb, "mlm": bench_mlm, "fp8": bench_fp8}
     for op in args.ops.split(","):
         for h in map(int, args.hidden.split(",")):
             compile_here = not args.no_compile and (

@@ -151,10 +151,10 @@ def model_flops(batch, cfg) -> float:
     return 6 * T * L * (4 * H * H + 2 * H * I) + 12 * L * H * float((lengths ** 2).sum()) + 6 * M * (H * H + H * V)
 
 
-def hf_config(preset: str, seq: int):
+def hf_config(preset: str, seq: int, act: str = "gelu"):
     import transformers
     from fastbert import BertConfig
-    fb = BertConfig.preset(preset, max_position_embeddings=max(512, seq))
+    fb = BertConfig.preset(preset, max_position_embeddings=max(512, seq), hidden_act=act)
     d = fb.to_dict()
     d.pop("fastbert_prenorm", None)
     return transformers.BertConfig(**d), fb
@@ -172,7 +172,7 @@ class Inputs:
     @classmethod
     def make(cls, args, device) -> "Inputs":
         import transformers
-        hcfg, fcfg = hf_config(args.preset, args.seq)
+        hcfg, fcfg = hf_config(args.preset, args.seq, args.act)
         torch.manual_seed(0)
         hf_state = transformers.BertForPreTraining(hcfg).state_dict()
         batches = make_batches(8, args.batch, args.seq, fcfg.vocab_size, args.mode, device)
@@ -442,6 +442,9 @@ def parse_args(argv):
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--mode", choices=("packed", "padded", "sst2"), default="packed")
+    p.add_argument("--act", choices=("gelu", "gelu_tanh"), default="gelu",
+                   help="every model's hidden_act: BERT's erf GELU, or the tanh approximation (HF's "
+                        "gelu_pytorch_tanh; Google's original BERT), which fastbert runs inside cuBLASLt's GEMMs")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--contenders", default=",".join(DEFAULT))
@@ -480,13 +483,13 @@ def main(argv=None):
         Path(args.worker_out).write_text(json.dumps(r))
         return
     import transformers
-    hcfg, fcfg = hf_config(args.preset, args.seq)
+    hcfg, fcfg = hf_config(args.preset, args.seq, args.act)
     batches = make_batches(8, args.batch, args.seq, fcfg.vocab_size, args.mode, "cpu")
     flops = np.mean([model_flops(b, fcfg) for b in batches])
     real = np.mean([float(b["attention_mask"].sum()) for b in batches])
     card = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     print(f"# {card}, torch {torch.__version__}, transformers {transformers.__version__}; {args.preset} "
-          f"seq {args.seq} batch {args.batch} mode {args.mode}: {real / args.batch:.1f} real tokens/seq, "
+          f"({args.act}) seq {args.seq} batch {args.batch} mode {args.mode}: {real / args.batch:.1f} real tokens/seq, "
           f"{flops / 1e12:.2f} model TFLOP/step", flush=True)
     names = list(PROBE_ORDER) if args.probe_order else args.contenders.split(",")
     if device.type == "cpu":
@@ -502,7 +505,8 @@ def main(argv=None):
     def write(stem: str, **extra) -> None:
         if args.out:
             report = dict(card=card, args=vars(args), flops_per_step=flops, results=results, **extra)
-            path = Path(args.out) / f"{stem}_{args.preset}_s{args.seq}_b{args.batch}_{args.mode}.json"
+            act = "" if args.act == "gelu" else f"_{args.act}"
+            path = Path(args.out) / f"{stem}_{args.preset}{act}_s{args.seq}_b{args.batch}_{args.mode}.json"
             path.write_text(json.dumps(report, indent=2))
 
     for r in runs:

@@ -78,7 +78,7 @@ def layer(ops, x, w: LayerWeights, cu_seqlens, max_seqlen: int, rows: Rows | Non
 
     def linear(h, weight, bias, index):  # index: the linear's place in the layer (its FP8 history rows)
         if w.fp8 is None:
-            return F.linear(h, weight, bias)
+            return ops.linear(h, weight, bias)
         history, first = w.fp8
         return fp8_linear(h, weight, bias, history, first + 3 * index)
 
@@ -95,14 +95,13 @@ def layer(ops, x, w: LayerWeights, cu_seqlens, max_seqlen: int, rows: Rows | Non
 
     def ffn(h):  # the output bias is left to the caller
         if not isinstance(activation, str):
-            h = activation(linear(h, w.intermediate_weight, w.intermediate_bias, 2))
-        elif w.fp8 is not None:  # GELU and its derivative inside the FP8 casts
+            return linear(activation(linear(h, w.intermediate_weight, w.intermediate_bias, 2)), w.output_weight, None, 3)
+        if w.fp8 is not None:  # GELU and its derivative inside the FP8 casts
             history, first = w.fp8
             return fp8_ffn(h, w.intermediate_weight, w.intermediate_bias, w.output_weight, history, first + 6,
                            activation)
-        else:
-            h = ops.linear_bias_gelu(h, w.intermediate_weight, w.intermediate_bias, approximate=activation)
-        return linear(h, w.output_weight, None, 3)
+        # up-projection, GELU, down-projection in one op, so that GELU's derivative can join a GEMM
+        return ops.ffn(h, w.intermediate_weight, w.intermediate_bias, w.output_weight, approximate=activation)
 
     def add_norm(y, residual, norm, y_bias, p, also_sum=False):  # also_sum: (normalized, residual sum)
         return ops.dropout_add_layer_norm(y, residual, norm.weight, norm.bias, norm.eps, x_bias=y_bias,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Callable, NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 
 KERNELS = ("torch", "triton")
 
@@ -31,32 +32,34 @@ def resolve_kernels(spec: Optional[str], device=None) -> str:
 class Ops(NamedTuple):
     embeddings: Callable
     dropout_add_layer_norm: Callable
-    linear_bias_gelu: Callable
+    ffn: Callable  # the FFN without its output bias: gelu(x @ w1.T + b1) @ w2.T
     attention: Callable
     mlm_loss: Callable
     attention_qkvpacked: Callable  # attention on one (T, 3, nh, hd) tensor, gradient packed too
+    linear: Callable  # F.linear; fused: d(bias) inside the weight-gradient GEMM
 
 
 def get_ops(kernels: str) -> Ops:
     if kernels == "torch":
         from fastbert.ops.attention import varlen_attention_qkvpacked_ref, varlen_attention_ref
         from fastbert.ops.embeddings import bert_embeddings_ref
-        from fastbert.ops.ffn import linear_bias_gelu_ref
+        from fastbert.ops.ffn import ffn_ref
         from fastbert.ops.layer_norm import dropout_add_layer_norm_ref
         from fastbert.ops.mlm_loss import sparse_mlm_loss_ref
-        return Ops(bert_embeddings_ref, dropout_add_layer_norm_ref, linear_bias_gelu_ref,
-                   varlen_attention_ref, sparse_mlm_loss_ref, varlen_attention_qkvpacked_ref)
+        return Ops(bert_embeddings_ref, dropout_add_layer_norm_ref, ffn_ref,
+                   varlen_attention_ref, sparse_mlm_loss_ref, varlen_attention_qkvpacked_ref, F.linear)
     if kernels == "triton":
         from fastbert.ops._common import require_triton
         require_triton()  # the one error naming the fix, before any kernel is asked for
         from fastbert.ops.attention import varlen_attention, varlen_attention_qkvpacked
         from fastbert.ops.embeddings import bert_embeddings, bert_embeddings_ref
-        from fastbert.ops.ffn import linear_bias_gelu
+        from fastbert.ops.ffn import ffn
         from fastbert.ops.layer_norm import dropout_add_layer_norm
+        from fastbert.ops.linear import linear
         from fastbert.ops.mlm_loss import sparse_mlm_loss
         # The fused embedding backward accumulates with atomics (not bitwise run to run): deterministic mode
         # (torch.use_deterministic_algorithms) takes the reference, whose index_add is deterministic there.
         embeddings = bert_embeddings_ref if torch.are_deterministic_algorithms_enabled() else bert_embeddings
-        return Ops(embeddings, dropout_add_layer_norm, linear_bias_gelu, varlen_attention, sparse_mlm_loss,
-                   varlen_attention_qkvpacked)
+        return Ops(embeddings, dropout_add_layer_norm, ffn, varlen_attention, sparse_mlm_loss,
+                   varlen_attention_qkvpacked, linear)
     raise ValueError(f"unknown kernels={kernels!r}; use 'torch' or 'triton'")

@@ -1,7 +1,8 @@
-"""FFN up-projection with bias + GELU: ``gelu(x @ weight.T + bias)``.
+"""The FFN: up-projection with bias + GELU, ``gelu(x @ weight.T + bias)`` (:func:`linear_bias_gelu`), and
+the whole block without its output bias, ``gelu(x @ w1.T + b1) @ w2.T`` (:func:`ffn`).
 
 ``approximate`` is ``"none"`` (exact erf GELU, BERT's) or ``"tanh"``. This file holds the
-plain-PyTorch reference; the Triton kernels live beside it.
+plain-PyTorch references; the fast paths live beside them.
 """
 from __future__ import annotations
 
@@ -13,15 +14,25 @@ def linear_bias_gelu_ref(x, weight, bias, approximate="none"):
     return F.gelu(F.linear(x, weight, bias), approximate=approximate)
 
 
+def ffn_ref(x, w1, b1, w2, approximate="none"):
+    """Reference of the FFN without its output bias. ``w1``: ``(intermediate, hidden)``, ``w2``:
+    ``(hidden, intermediate)``."""
+    return F.linear(linear_bias_gelu_ref(x, w1, b1, approximate), w2)
+
+
 # ============================================================================= Triton kernels
 # Everything below is the fast path. The GEMM is cuBLAS's, with the bias in its epilogue; GELU is one
 # Triton pass over the pre-activation (kept for the backward when grad is on, as eager torch keeps
 # it, else overwritten in place); the backward's GELU derivative is one Triton pass that also reduces
-# d(bias); dgrad / wgrad are cuBLAS matmuls. A Triton GEMM with bias + GELU in its epilogue was this
-# file's forward until the fifth session: on an H100 it ran at 0.84-0.94x cuBLAS + a separate GELU
+# d(bias); dgrad / wgrad are cuBLAS matmuls. With the tanh GELU on 16-bit CUDA operands, cuBLASLt's
+# epilogues (ops/cublaslt.py) do both GELU passes inside GEMMs instead: the up-projection applies bias +
+# GELU and keeps the pre-activation; in :func:`ffn`'s backward, the down-projection's input-gradient GEMM
+# multiplies by GELU's derivative and reduces d(bias). A Triton GEMM with bias + GELU in its epilogue was
+# this file's forward until the fifth session: on an H100 it ran at 0.84-0.94x cuBLAS + a separate GELU
 # (`benchmarks/bench_ops.py --ops ffn`, benchmarks/RESULTS.md), so it is gone.
 import torch  # noqa: E402
 
+from fastbert.ops import cublaslt  # noqa: E402
 from fastbert.ops._common import (  # noqa: E402
     autocast_dtype, check_triton_device, num_sms, register_op, tl, triton)
 
@@ -96,16 +107,33 @@ def _check_approximate(approximate):
 _GELU_BLOCK = 4096
 
 
+def _lt_fwd(x2, weight, bias, store_pre):
+    """(y, z) of the tanh GELU from cuBLASLt's epilogue, or None when it cannot take these operands."""
+    if not cublaslt.eligible(x2, weight, bias, sizes=weight.shape):
+        return None
+    y = x2.new_empty((x2.shape[0], weight.shape[0]))
+    z = torch.empty_like(y) if store_pre else None
+    epilogue = ("gelu_aux" if store_pre else "gelu") + ("_bias" if bias is not None else "")
+    if cublaslt.gemm(x2, weight.t(), epilogue, bias=bias, aux=z, out=y) is None:
+        return None
+    return y, z
+
+
 def linear_bias_gelu_fwd(x, weight, bias, approximate, store_pre):
     """``x (..., K) -> (y, z)``: y = gelu(x @ weight.T + bias) like x; z the pre-activation when
     ``store_pre`` (for the backward) else an empty tensor."""
     n = weight.shape[0]
-    z = F.linear(x.reshape(-1, x.shape[-1]), weight, bias)  # (M, N), cuBLAS with the bias in its epilogue
+    out_shape = (*x.shape[:-1], n)
+    x2 = x.reshape(-1, x.shape[-1])
+    lt = _lt_fwd(x2, weight, bias, store_pre) if approximate == "tanh" else None
+    if lt is not None:
+        y, z = lt
+        return y.view(out_shape), z.view(out_shape) if store_pre else y.new_empty((0,))
+    z = F.linear(x2, weight, bias)  # (M, N), cuBLAS with the bias in its epilogue
     y = torch.empty_like(z) if store_pre else z
     if z.numel() > 0:
         _gelu_fwd_kernel[(triton.cdiv(z.numel(), _GELU_BLOCK),)](
             z, y, z.numel(), APPROX_TANH=approximate == "tanh", BLOCK=_GELU_BLOCK, num_warps=8)
-    out_shape = (*x.shape[:-1], n)
     return y.view(out_shape), z.view(out_shape) if store_pre else z.new_empty((0,))
 
 
@@ -199,3 +227,89 @@ def linear_bias_gelu(x, weight, bias, approximate="none"):
     if not needs_grad:
         return _fwd_op(x, weight, bias, approximate, False)[0]
     return LinearBiasGeluFn.apply(x, weight, bias, approximate, True)
+
+
+# ============================================================================= the whole FFN
+def ffn_fwd(x, w1, b1, w2, approximate, store_pre):
+    """``(out, y, z)``: the FFN's output ``(..., hidden)``; with ``store_pre`` also its GELU output y and
+    pre-activation z ``(tokens, intermediate)`` for the backward (else empty tensors)."""
+    y, z = linear_bias_gelu_fwd(x, w1, b1, approximate, store_pre)
+    y2 = y.reshape(-1, w1.shape[0])
+    out = F.linear(y2, w2).view(*x.shape[:-1], w2.shape[0])
+    return (out, y2, z.reshape(y2.shape)) if store_pre else (out, y.new_empty((0,)), z)
+
+
+def ffn_bwd(dout, x, w1, b1, w2, y, z, approximate):
+    """``(dx, dw1, db1, dw2)``; db1 is empty when ``b1`` is None. With the tanh GELU on eligible operands
+    the input-gradient GEMM of the down-projection applies GELU's derivative and reduces db1 (cuBLASLt);
+    otherwise that GEMM, then :func:`gelu_bwd`."""
+    d2 = dout.reshape(-1, w2.shape[0])  # (M, hidden)
+    x2 = x.reshape(-1, x.shape[-1])
+    dw2 = d2.t() @ y                    # (hidden, M) @ (M, intermediate)
+    dz = db = None
+    if approximate == "tanh" and cublaslt.eligible(d2, w2, z):
+        dz = torch.empty_like(z)
+        db = z.new_empty((z.shape[1],)) if b1 is not None else None
+        if cublaslt.gemm(d2, w2, "dgelu_bgrad" if b1 is not None else "dgelu", aux=z, bias_grad=db, out=dz) is None:
+            dz = None
+    if dz is None:
+        dz, db = gelu_bwd(d2 @ w2, z, approximate)
+    dx = (dz @ w1).view(x.shape)        # (M, intermediate) @ (intermediate, hidden)
+    dw1 = dz.t() @ x2
+    db = db.to(b1.dtype) if b1 is not None else w1.new_empty((0,))
+    return dx, dw1, db, dw2
+
+
+def _ffn_fwd_fake(x, w1, b1, w2, approximate, store_pre):
+    out = x.new_empty((*x.shape[:-1], w2.shape[0]))
+    inner = x.new_empty((x.numel() // x.shape[-1], w1.shape[0])) if store_pre else x.new_empty((0,))
+    return out, inner, torch.empty_like(inner)
+
+
+def _ffn_bwd_fake(dout, x, w1, b1, w2, y, z, approximate):
+    db = torch.empty_like(b1) if b1 is not None else w1.new_empty((0,))
+    return torch.empty_like(x), torch.empty_like(w1), db, torch.empty_like(w2)
+
+
+_ffn_fwd_op = register_op(
+    "ffn_fwd", "(Tensor x, Tensor w1, Tensor? b1, Tensor w2, str approximate, bool store_pre) -> (Tensor, Tensor, Tensor)",
+    ffn_fwd, _ffn_fwd_fake)
+_ffn_bwd_op = register_op(
+    "ffn_bwd", "(Tensor dout, Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor y, Tensor z, str approximate) -> "
+    "(Tensor, Tensor, Tensor, Tensor)", ffn_bwd, _ffn_bwd_fake)
+
+
+class FfnFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, approximate):
+        out, y, z = _ffn_fwd_op(x, w1, b1, w2, approximate, True)
+        ctx.save_for_backward(x, w1, b1, w2, y, z)
+        ctx.approximate = approximate
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, w1, b1, w2, y, z = ctx.saved_tensors
+        dx, dw1, db1, dw2 = _ffn_bwd_op(dout.contiguous(), x, w1, b1, w2, y, z, ctx.approximate)
+        return dx, dw1, db1 if b1 is not None else None, dw2, None
+
+
+def ffn(x, w1, b1, w2, approximate="none"):
+    """Fused FFN without its output bias, ``gelu(x @ w1.T + b1) @ w2.T``; same signature and semantics as
+    :func:`ffn_ref`."""
+    _check_approximate(approximate)
+    check_triton_device(x, w1, b1, w2)
+    cast = autocast_dtype(x.device)
+    if cast is not None:  # behave like F.linear under torch.autocast
+        x, w1, w2 = x.to(cast), w1.to(cast), w2.to(cast)
+        b1 = b1.to(cast) if b1 is not None else None
+    if w1.dim() != 2 or w2.dim() != 2 or x.shape[-1] != w1.shape[1] or w2.shape[1] != w1.shape[0]:
+        raise ValueError(f"ffn: x (..., {x.shape[-1]}), w1 {tuple(w1.shape)} and w2 {tuple(w2.shape)} do not chain")
+    if b1 is not None and b1.shape != (w1.shape[0],):
+        raise ValueError(f"ffn: b1 must have shape ({w1.shape[0]},), got {tuple(b1.shape)}")
+    if not (x.dtype == w1.dtype == w2.dtype):
+        raise TypeError(f"ffn: x, w1, w2 are {x.dtype}, {w1.dtype}, {w2.dtype}; cast them alike (or use autocast)")
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w1, b1, w2))
+    if not needs_grad:
+        return _ffn_fwd_op(x, w1, b1, w2, approximate, False)[0]
+    return FfnFn.apply(x, w1, b1, w2, approximate)

@@ -1,4 +1,5 @@
-"""Fused linear + bias + GELU vs the plain-PyTorch reference.
+"""Fused linear + bias + GELU, and the whole FFN (up-projection, GELU, down-projection), vs the
+plain-PyTorch references.
 
 Outputs and gradients are compared with an fp64 reference; the kernel's error must stay within 2x
 torch's own same-dtype error plus a small atol. CPU runs use the Triton interpreter, hence the
@@ -7,7 +8,8 @@ small shapes; sizes are chosen off the tile grid (M, N, K not multiples of 32).
 import pytest
 import torch
 
-from fastbert.ops.ffn import linear_bias_gelu, linear_bias_gelu_ref
+from fastbert.ops import cublaslt
+from fastbert.ops.ffn import ffn, ffn_ref, linear_bias_gelu, linear_bias_gelu_ref
 from ops_testing import DEVICE, assert_compiled_matches_eager, assert_within
 
 
@@ -99,3 +101,61 @@ def test_custom_op_and_torch_compile():
 def test_gpu_bert_shapes(m, k, n, dtype):
     check((m,), k, n, dtype, "none")
     check((m,), k, n, dtype, "tanh")
+
+
+# ------------------------------------------------------------------------------------------ the whole FFN
+def check_ffn(lead, h, i, dtype, approximate, has_bias=True):
+    g = torch.Generator().manual_seed(h * 5 + i)
+    x = torch.randn(*lead, h, generator=g)
+    w1 = torch.randn(i, h, generator=g) / h ** 0.5
+    b1 = torch.randn(i, generator=g) if has_bias else None
+    w2 = torch.randn(h, i, generator=g) / i ** 0.5
+    dy = torch.randn(*lead, h, generator=g)
+    inputs = [t.to(DEVICE) if t is not None else None for t in (x, w1, b1, w2)]
+    dy = dy.to(DEVICE)
+
+    def run(fn, dt):
+        leaves = [t.detach().to(dt).requires_grad_() if t is not None else None for t in inputs]
+        y = fn(*leaves, approximate=approximate)
+        live = [t for t in leaves if t is not None]
+        return y, torch.autograd.grad((y.float() * dy.float()).sum(), live)
+
+    y, dk = run(ffn, dtype)
+    y_same, ds = run(ffn_ref, dtype)
+    y_ref, dr = run(ffn_ref, torch.float64)
+    assert y.dtype == dtype and y.shape == (*lead, h)
+    assert_within("out", y, y_same, y_ref, dtype)
+    for name, a, b, c in zip(("dx", "dw1", "db1", "dw2") if has_bias else ("dx", "dw1", "dw2"), dk, ds, dr):
+        assert_within(name, a, b, c, dtype)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("lead,h,i", [((1,), 1, 1), ((37,), 24, 40), ((2, 5), 17, 33)])
+def test_ffn_matches_reference(lead, h, i, dtype, approximate):
+    check_ffn(lead, h, i, dtype, approximate)
+
+
+def test_ffn_no_bias_inference_and_compile():
+    check_ffn((9,), 16, 24, torch.float32, "tanh", has_bias=False)
+    g = torch.Generator().manual_seed(0)
+    x, w1, b1, w2 = (torch.randn(*s, generator=g).to(DEVICE) for s in ((7, 16), (24, 16), (24,), (16, 24)))
+    with torch.no_grad():
+        y_inf = ffn(x, w1, b1, w2, "tanh")
+    torch.testing.assert_close(y_inf, ffn(x.requires_grad_(), w1, b1, w2, "tanh").detach())
+    torch.library.opcheck(torch.ops.fastbert.ffn_fwd.default, (x.detach(), w1, b1, w2, "tanh", True))
+    with pytest.raises(ValueError, match="chain"):
+        ffn(x, w1, b1, w2.t())
+    assert_compiled_matches_eager(lambda *t: (ffn(*t, "tanh") ** 2).sum(), (x.detach(), w1, b1, w2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("m,h,i,dtype", [(4096, 768, 3072, torch.bfloat16), (2000, 1024, 4096, torch.bfloat16),
+                                         (1000, 384, 1536, torch.float16)])
+def test_gpu_ffn_bert_shapes(m, h, i, dtype, approximate):
+    check_ffn((m,), h, i, dtype, approximate)
+    check_ffn((m,), h, i, dtype, approximate, has_bias=False)
+    if approximate == "tanh":  # the GELU and its derivative ran inside cuBLASLt's GEMMs, not beside them
+        ran = {key[3] for key, entry in cublaslt._lt().problems.items() if entry is not None}
+        assert {"gelu_aux_bias", "dgelu_bgrad", "gelu_aux", "dgelu"} <= ran, ran

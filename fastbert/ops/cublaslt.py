@@ -1,0 +1,262 @@
+"""cuBLASLt GEMMs with fused epilogues, called through ctypes on the libcublasLt that torch loaded.
+
+torch reaches cuBLASLt's GELU epilogue only without its auxiliary output (``torch._addmm_activation``),
+which a training step cannot use: the backward needs the pre-activation. :func:`gemm` computes
+``D = a @ b`` (row-major views, 16-bit) with one of these epilogues:
+
+====================  =======================================================================
+``"none"``            D
+``"bias"``            D + bias (bias: one value per column of D)
+``"gelu[_bias]"``     gelu(D [+ bias])
+``"gelu_aux[_bias]"`` gelu(D [+ bias]), and the pre-activation written to ``aux``
+``"dgelu[_bgrad]"``   D * gelu'(aux) [, and that product's column sums written to ``bias_grad``]
+``"bgrad_a"``         D, and the row sums of ``a`` (the bias gradient of a weight-gradient GEMM)
+====================  =======================================================================
+
+cuBLASLt's GELU is the tanh approximation (torch's ``F.gelu(approximate="tanh")``, HF's
+``gelu_pytorch_tanh``), so only models with that activation take its GELU epilogues.
+
+cuBLASLt is column-major. A row-major ``(r, c)`` matrix is a column-major ``(c, r)`` one, so
+``D = a @ b`` is ``Dᵀ = bᵀ aᵀ`` there: cuBLASLt's A is ``b`` and its B is ``a``. :func:`plan` holds that
+mapping and is plain Python (``tests/ops/test_cublaslt.py`` checks it on the CPU against an emulation
+of cuBLASLt's semantics); :func:`gemm` runs a plan. Descriptors and the heuristic's algorithm are made
+once per shape, layout and alignment and kept, so a step pays only the attribute updates and the
+launch, and a CUDA graph captures the launch like any cuBLAS call. When cuBLASLt is missing or has no
+algorithm for a problem, :func:`available` / :func:`gemm` say so (``None``) and the caller keeps its
+own path.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import os
+import warnings
+from typing import NamedTuple, Optional
+
+import torch
+
+# cublasLtEpilogue_t values; "bgrad_a" is cuBLASLt's BGRADB (its B is our a).
+EPILOGUES = {"none": 1, "bias": 4, "gelu": 32, "gelu_bias": 36, "gelu_aux": 160, "gelu_aux_bias": 164,
+             "dgelu": 192, "dgelu_bgrad": 208, "bgrad_a": 512}
+_HAS_BIAS = ("bias", "gelu_bias", "gelu_aux_bias")
+_HAS_AUX = ("gelu_aux", "gelu_aux_bias", "dgelu", "dgelu_bgrad")
+_HAS_BIAS_GRAD = ("dgelu_bgrad", "bgrad_a")
+_CUDA_TYPES = {torch.float16: 2, torch.bfloat16: 14}  # cudaDataType_t
+_COMPUTE_32F, _R_32F = 68, 0                            # cublasComputeType_t, cudaDataType_t
+# cublasLtMatmulDescAttributes_t, cublasLtMatmulPreferenceAttributes_t
+_TRANSA, _TRANSB, _EPILOGUE, _BIAS_POINTER, _AUX_POINTER, _AUX_LD = 3, 4, 7, 8, 11, 12
+_PREF_WORKSPACE, _PREF_ALIGN = 1, (5, 6, 7, 8)          # max workspace; min alignment of A, B, C, D
+_WORKSPACE = 32 * 2**20
+
+
+class Plan(NamedTuple):
+    """cuBLASLt's column-major problem ``D (m, n) = op(A) (m, k) @ op(B) (k, n)`` for a row-major
+    ``D (M, N) = a (M, K) @ b (K, N)``: m = N, n = M, k = K; A is ``b``, B is ``a``."""
+    m: int
+    n: int
+    k: int
+    trans_a: bool
+    lda: int
+    trans_b: bool
+    ldb: int
+    ldd: int
+
+
+def _stored(t: torch.Tensor):
+    """(transposed, ld) of a 2-D row-major view as cuBLASLt sees its memory: a row-contiguous view is
+    stored as its transpose (no op needed to get the transpose); a column-contiguous one (``w.t()``) as
+    itself. None for any other layout."""
+    rows, cols = t.shape
+    if t.stride(1) == 1 and t.stride(0) >= max(cols, 1):
+        return False, t.stride(0)
+    if t.stride(0) == 1 and t.stride(1) >= max(rows, 1):
+        return True, t.stride(1)
+    return None
+
+
+def plan(a: torch.Tensor, b: torch.Tensor) -> Optional[Plan]:
+    """The plan for ``a @ b`` (2-D views, each row- or column-contiguous), D row-major contiguous; None
+    when a layout does not map."""
+    sa, sb = _stored(a), _stored(b)
+    if sa is None or sb is None or a.shape[1] != b.shape[0]:
+        return None
+    (m_rows, k), n = a.shape, b.shape[1]
+    # op(A) = bᵀ (n_cols x k): b's memory is bᵀ already unless b is a column-contiguous view.
+    # op(B) = aᵀ (k x m_rows): likewise.
+    return Plan(m=n, n=m_rows, k=k, trans_a=sb[0], lda=sb[1], trans_b=sa[0], ldb=sa[1], ldd=n)
+
+
+# ------------------------------------------------------------------------------------------ the library
+class _Heuristic(ctypes.Structure):  # cublasLtMatmulHeuristicResult_t
+    _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+def _library_path() -> Optional[str]:
+    """The libcublasLt torch loaded (one copy in the process), else one beside torch's CUDA wheels."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1] if line.strip() else ""
+                if "libcublasLt.so" in os.path.basename(path):
+                    return path
+    except OSError:
+        pass
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    hits = sorted(glob.glob(os.path.join(site, "nvidia", "**", "libcublasLt.so*"), recursive=True))
+    return hits[-1] if hits else ctypes.util.find_library("cublasLt")
+
+
+class _Lt:
+    """The loaded library, one handle, and the per-problem descriptors (kept for the process)."""
+
+    def __init__(self, path: str):
+        lib = ctypes.CDLL(path)
+        vp, i, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+        sigs = {
+            "cublasLtCreate": [ctypes.POINTER(vp)],
+            "cublasLtMatmulDescCreate": [ctypes.POINTER(vp), i, i],
+            "cublasLtMatmulDescSetAttribute": [vp, i, vp, sz],
+            "cublasLtMatrixLayoutCreate": [ctypes.POINTER(vp), i, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64],
+            "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(vp)],
+            "cublasLtMatmulPreferenceSetAttribute": [vp, i, vp, sz],
+            "cublasLtMatmulPreferenceDestroy": [vp],
+            "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i, ctypes.POINTER(_Heuristic),
+                                               ctypes.POINTER(i)],
+            "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, sz, vp],
+        }
+        for name, args in sigs.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, i
+        self.lib = lib
+        self.handle = vp()
+        self._check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+        self.problems: dict = {}  # key -> (desc, layouts, algo, workspace bytes) or None (no algorithm)
+        self.one, self.zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+
+    @staticmethod
+    def _check(status: int, what: str):
+        if status != 0:
+            raise RuntimeError(f"cuBLASLt: {what} returned status {status}")
+
+    def _set(self, setter, obj, attr: int, value):
+        self._check(setter(obj, attr, ctypes.byref(value), ctypes.sizeof(value)), f"attribute {attr}")
+
+    def problem(self, key, p: Plan, dtype, epilogue: str, ptrs: dict):
+        """(desc, (A, B, D) layouts, algo, workspace bytes) for ``key``, made on first sight; None when
+        cuBLASLt offers no algorithm."""
+        if key in self.problems:
+            return self.problems[key]
+        lib, vp, cuda_t = self.lib, ctypes.c_void_p, _CUDA_TYPES[dtype]
+        desc = vp()
+        self._check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _R_32F), "MatmulDescCreate")
+        setd = lib.cublasLtMatmulDescSetAttribute
+        self._set(setd, desc, _TRANSA, ctypes.c_int(int(p.trans_a)))
+        self._set(setd, desc, _TRANSB, ctypes.c_int(int(p.trans_b)))
+        self._set(setd, desc, _EPILOGUE, ctypes.c_uint32(EPILOGUES[epilogue]))
+        if epilogue in _HAS_AUX:
+            self._set(setd, desc, _AUX_LD, ctypes.c_int64(p.ldd))
+        self.pointers(desc, epilogue, ptrs)  # the heuristic reads their alignment
+        layouts = []
+        for rows, cols, ld in ((p.k, p.m, p.lda) if p.trans_a else (p.m, p.k, p.lda),
+                               (p.n, p.k, p.ldb) if p.trans_b else (p.k, p.n, p.ldb),
+                               (p.m, p.n, p.ldd)):
+            layout = vp()
+            self._check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), cuda_t, rows, cols, ld), "LayoutCreate")
+            layouts.append(layout)
+        pref = vp()
+        self._check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "PreferenceCreate")
+        setp = lib.cublasLtMatmulPreferenceSetAttribute
+        self._set(setp, pref, _PREF_WORKSPACE, ctypes.c_uint64(_WORKSPACE))
+        for attr, name in zip(_PREF_ALIGN, ("b", "a", "d", "d")):  # cuBLASLt's A is b, its B is a; C is D
+            self._set(setp, pref, attr, ctypes.c_uint32(_alignment(ptrs[name])))
+        result, count = _Heuristic(), ctypes.c_int(0)
+        status = lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, layouts[0], layouts[1], layouts[2],
+                                                    layouts[2], pref, 1, ctypes.byref(result), ctypes.byref(count))
+        lib.cublasLtMatmulPreferenceDestroy(pref)
+        entry = None
+        if status == 0 and count.value > 0 and result.state == 0:
+            entry = (desc, layouts, result, int(result.workspace_size))
+        self.problems[key] = entry
+        return entry
+
+    def pointers(self, desc, epilogue: str, ptrs: dict):
+        setd = self.lib.cublasLtMatmulDescSetAttribute
+        if epilogue in _HAS_BIAS or epilogue in _HAS_BIAS_GRAD:
+            self._set(setd, desc, _BIAS_POINTER, ctypes.c_void_p(ptrs["bias"]))
+        if epilogue in _HAS_AUX:
+            self._set(setd, desc, _AUX_POINTER, ctypes.c_void_p(ptrs["aux"]))
+
+
+def _alignment(ptr: int) -> int:
+    """The largest power of two (<= 256) dividing ``ptr``."""
+    return min(256, ptr & -ptr) if ptr else 256
+
+
+_LT: dict = {}  # "lt" -> _Lt, or None when cuBLASLt cannot be loaded
+
+
+def _lt() -> Optional[_Lt]:
+    if "lt" not in _LT:
+        _LT["lt"] = None
+        if torch.cuda.is_available() and torch.version.cuda is not None:
+            torch.cuda.init()
+            path = _library_path()
+            try:
+                _LT["lt"] = _Lt(path) if path else None
+            except (OSError, AttributeError, RuntimeError) as e:
+                warnings.warn(f"fastbert: cuBLASLt ({path}) could not be loaded ({e}); the GEMM epilogues fall "
+                              "back to separate kernels", stacklevel=3)
+    return _LT["lt"]
+
+
+def eligible(*tensors, sizes=()) -> bool:
+    """Whether :func:`gemm` can take these operands (None entries are skipped): CUDA, all float16 or all
+    bfloat16, each last size and each of ``sizes`` a multiple of 8, 2-D views row- or column-contiguous
+    with a leading stride that is a multiple of 8, pointers 16-byte aligned (cuBLASLt's epilogue rules),
+    and cuBLASLt loadable."""
+    live = [t for t in tensors if t is not None]
+    if not live or not all(t.is_cuda for t in live) or live[0].dtype not in _CUDA_TYPES:
+        return False
+    for t in live:
+        if t.dtype != live[0].dtype or t.data_ptr() % 16 or t.dim() not in (1, 2) or t.shape[-1] % 8:
+            return False
+        if t.dim() == 2 and not (_stored(t) is not None and _stored(t)[1] % 8 == 0):
+            return False
+    if any(s % 8 for s in sizes):
+        return False
+    return _lt() is not None
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, epilogue: str = "none", *, bias=None, aux=None, bias_grad=None,
+         out=None) -> Optional[torch.Tensor]:
+    """``D = a @ b`` with ``epilogue`` (see the module's table) into ``out`` (a new ``(M, N)`` tensor when
+    None). ``bias``: ``(N,)``; ``aux``: ``(M, N)`` contiguous (written by ``gelu_aux_bias``, read by
+    ``dgelu_bgrad``); ``bias_grad``: written, ``(N,)`` for ``dgelu_bgrad``, ``(M,)`` for ``bgrad_a``.
+    Returns None, having done nothing, when cuBLASLt has no algorithm for the problem (call
+    :func:`eligible` first for the rest)."""
+    p = plan(a, b)
+    if p is None:
+        raise ValueError(f"cublaslt.gemm: a {tuple(a.shape)} / {a.stride()} and b {tuple(b.shape)} / {b.stride()} "
+                         "must be row- or column-contiguous 2-D views with a.shape[1] == b.shape[0]")
+    if out is None:
+        out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
+    vector = bias_grad if epilogue in _HAS_BIAS_GRAD else bias
+    ptrs = {"a": a.data_ptr(), "b": b.data_ptr(), "d": out.data_ptr(),
+            "bias": vector.data_ptr() if vector is not None else 0, "aux": aux.data_ptr() if aux is not None else 0}
+    lt = _lt()
+    key = (a.dtype, a.device.index, p, epilogue) + tuple(_alignment(v) for v in ptrs.values())
+    entry = lt.problem(key, p, a.dtype, epilogue, ptrs)
+    if entry is None:
+        return None
+    desc, layouts, algo, ws_bytes = entry
+    lt.pointers(desc, epilogue, ptrs)
+    workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=a.device) if ws_bytes else None
+    stream = torch.cuda.current_stream(a.device).cuda_stream
+    status = lt.lib.cublasLtMatmul(
+        lt.handle, desc, ctypes.byref(lt.one), ptrs["b"], layouts[0], ptrs["a"], layouts[1], ctypes.byref(lt.zero),
+        ptrs["d"], layouts[2], ptrs["d"], layouts[2], ctypes.byref(algo.algo),
+        workspace.data_ptr() if workspace is not None else None, ws_bytes, stream)
+    lt._check(status, f"cublasLtMatmul ({epilogue}, {p})")
+    return out
