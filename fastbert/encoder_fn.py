@@ -78,7 +78,7 @@ def layer(ops, x, w: LayerWeights, cu_seqlens, max_seqlen: int, rows: Rows | Non
 
     def linear(h, weight, bias, index):  # index: the linear's place in the layer (its FP8 history rows)
         if w.fp8 is None:
-            return ops.linear(h, weight, bias)
+            return F.linear(h, weight, bias)
         history, first = w.fp8
         return fp8_linear(h, weight, bias, history, first + 3 * index)
 

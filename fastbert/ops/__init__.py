@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Callable, NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 
 KERNELS = ("torch", "triton")
 
@@ -36,7 +35,6 @@ class Ops(NamedTuple):
     attention: Callable
     mlm_loss: Callable
     attention_qkvpacked: Callable  # attention on one (T, 3, nh, hd) tensor, gradient packed too
-    linear: Callable  # F.linear; fused: d(bias) inside the weight-gradient GEMM
 
 
 def get_ops(kernels: str) -> Ops:
@@ -47,7 +45,7 @@ def get_ops(kernels: str) -> Ops:
         from fastbert.ops.layer_norm import dropout_add_layer_norm_ref
         from fastbert.ops.mlm_loss import sparse_mlm_loss_ref
         return Ops(bert_embeddings_ref, dropout_add_layer_norm_ref, ffn_ref,
-                   varlen_attention_ref, sparse_mlm_loss_ref, varlen_attention_qkvpacked_ref, F.linear)
+                   varlen_attention_ref, sparse_mlm_loss_ref, varlen_attention_qkvpacked_ref)
     if kernels == "triton":
         from fastbert.ops._common import require_triton
         require_triton()  # the one error naming the fix, before any kernel is asked for
@@ -55,11 +53,10 @@ def get_ops(kernels: str) -> Ops:
         from fastbert.ops.embeddings import bert_embeddings, bert_embeddings_ref
         from fastbert.ops.ffn import ffn
         from fastbert.ops.layer_norm import dropout_add_layer_norm
-        from fastbert.ops.linear import linear
         from fastbert.ops.mlm_loss import sparse_mlm_loss
         # The fused embedding backward accumulates with atomics (not bitwise run to run): deterministic mode
         # (torch.use_deterministic_algorithms) takes the reference, whose index_add is deterministic there.
         embeddings = bert_embeddings_ref if torch.are_deterministic_algorithms_enabled() else bert_embeddings
         return Ops(embeddings, dropout_add_layer_norm, ffn, varlen_attention, sparse_mlm_loss,
-                   varlen_attention_qkvpacked, linear)
+                   varlen_attention_qkvpacked)
     raise ValueError(f"unknown kernels={kernels!r}; use 'torch' or 'triton'")

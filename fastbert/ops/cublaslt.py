@@ -1,35 +1,32 @@
-"""cuBLASLt GEMMs with fused epilogues, called through ctypes on the libcublasLt that torch loaded.
+"""cuBLASLt GEMMs with GELU epilogues, called through ctypes on the libcublasLt that torch loaded.
 
 torch reaches cuBLASLt's GELU epilogue only without its auxiliary output (``torch._addmm_activation``),
 which a training step cannot use: the backward needs the pre-activation. :func:`gemm` computes
 ``D = a @ b`` (row-major views, 16-bit) with one of these epilogues:
 
 ====================  =======================================================================
-``"none"``            D
-``"bias"``            D + bias (bias: one value per column of D)
-``"gelu[_bias]"``     gelu(D [+ bias])
+``"gelu[_bias]"``     gelu(D [+ bias]) (bias: one value per column of D)
 ``"gelu_aux[_bias]"`` gelu(D [+ bias]), and the pre-activation written to ``aux``
-``"dgelu[_bgrad]"``   D * gelu'(aux) [, and that product's column sums written to ``bias_grad``]
-``"bgrad_a"``         D, and the row sums of ``a`` (the bias gradient of a weight-gradient GEMM)
+``"dgelu"``           D * gelu'(aux)
 ====================  =======================================================================
 
 cuBLASLt's GELU is the tanh approximation (torch's ``F.gelu(approximate="tanh")``, HF's
-``gelu_pytorch_tanh``), so only models with that activation take its GELU epilogues.
+``gelu_pytorch_tanh``), so only models with that activation take these paths (ops/ffn.py).
 
 cuBLASLt is column-major. A row-major ``(r, c)`` matrix is a column-major ``(c, r)`` one, so
 ``D = a @ b`` is ``Dᵀ = bᵀ aᵀ`` there: cuBLASLt's A is ``b`` and its B is ``a``. :func:`plan` holds that
 mapping and is plain Python (``tests/ops/test_cublaslt.py`` checks it on the CPU against an emulation
-of cuBLASLt's semantics); :func:`gemm` runs a plan. Descriptors are made once per shape, layout and
-alignment and kept, so a step pays only the attribute updates and the launch, and a CUDA graph captures
-the launch like any cuBLAS call. At first sight of a problem the heuristic's candidate algorithms
-(up to 8) are each timed once and the fastest is kept: on an H100 that beat torch's own pick by up to
-10% at BERT-large's shapes (benchmarks/RESULTS.md). When cuBLASLt is missing or has no algorithm for a
-problem, :func:`eligible` / :func:`gemm` say so (False / None) and the caller keeps its own path;
-:func:`matmul` and :func:`linear` are ``a @ b`` and ``F.linear`` with that fallback built in.
+of cuBLASLt's semantics); :func:`gemm` runs a plan. Descriptors and the heuristic's algorithm are made
+once per shape, layout and alignment and kept, so a step pays only the attribute updates and the
+launch, and a CUDA graph captures the launch like any cuBLAS call. When cuBLASLt is missing or has no
+algorithm for a problem, :func:`eligible` / :func:`gemm` say so (False / None) and the caller keeps its
+own path.
 
-Measured on an H100 (cuBLAS 13): the GELU forward epilogue and the GELU derivative epilogue are fused
-into the GEMM; the bias-gradient epilogues (``dgelu_bgrad``, ``bgrad_a``) run as a separate reduction
-kernel, which for ``dgelu_bgrad`` takes 0.6 ms at 16K x 4096, so the FFN reduces d(bias) itself.
+Measured on an H100 (cuBLAS 13, benchmarks/RESULTS.md, sixth session), and why only these epilogues:
+both GELU epilogues are fused into the GEMM's kernel (+~45 us over the plain GEMM at 16K x 1024 -> 4096,
+against ~95 us for GELU as its own pass forward and ~165 us backward); the bias-gradient epilogues
+(DGELU_BGRAD, BGRADB) run as a separate reduction kernel, 0.6 ms for DGELU_BGRAD there, no faster than
+torch's own sum; and timing the heuristic's other candidates per shape won nothing in the training step.
 """
 from __future__ import annotations
 
@@ -42,26 +39,22 @@ from typing import NamedTuple, Optional
 
 import torch
 
-# cublasLtEpilogue_t values; "bgrad_a" is cuBLASLt's BGRADB (its B is our a).
-EPILOGUES = {"none": 1, "bias": 4, "gelu": 32, "gelu_bias": 36, "gelu_aux": 160, "gelu_aux_bias": 164,
-             "dgelu": 192, "dgelu_bgrad": 208, "bgrad_a": 512}
-_HAS_BIAS = ("bias", "gelu_bias", "gelu_aux_bias")
-_HAS_AUX = ("gelu_aux", "gelu_aux_bias", "dgelu", "dgelu_bgrad")
-_HAS_BIAS_GRAD = ("dgelu_bgrad", "bgrad_a")
+# cublasLtEpilogue_t values
+EPILOGUES = {"gelu": 32, "gelu_bias": 36, "gelu_aux": 160, "gelu_aux_bias": 164, "dgelu": 192}
+_HAS_BIAS = ("gelu_bias", "gelu_aux_bias")
+_HAS_AUX = ("gelu_aux", "gelu_aux_bias", "dgelu")
 _CUDA_TYPES = {torch.float16: 2, torch.bfloat16: 14}  # cudaDataType_t
 _COMPUTE_32F, _R_32F = 68, 0                            # cublasComputeType_t, cudaDataType_t
 # cublasLtMatmulDescAttributes_t, cublasLtMatmulPreferenceAttributes_t
 _TRANSA, _TRANSB, _EPILOGUE, _BIAS_POINTER, _AUX_POINTER, _AUX_LD = 3, 4, 7, 8, 11, 12
 _PREF_WORKSPACE, _PREF_ALIGN = 1, (5, 6, 7, 8)          # max workspace; min alignment of A, B, C, D
 _WORKSPACE = 32 * 2**20
-_CANDIDATES = 8  # algorithms the heuristic proposes; each is timed once and the fastest kept
 
 
 class _Problem(NamedTuple):
     desc: object      # cublasLtMatmulDesc_t
     layouts: list     # A, B, D (C is D)
-    algo: object      # the _Heuristic result in use
-    timings: list     # ms of each candidate when they were timed, in the heuristic's order
+    algo: object      # the heuristic's first choice (a _Heuristic)
 
 
 class Plan(NamedTuple):
@@ -157,9 +150,8 @@ class _Lt:
     def _set(self, setter, obj, attr: int, value):
         self._check(setter(obj, attr, ctypes.byref(value), ctypes.sizeof(value)), f"attribute {attr}")
 
-    def problem(self, key, p: Plan, dtype, epilogue: str, ptrs: dict, timer=None):
-        """The :class:`_Problem` for ``key``, made on first sight; None when cuBLASLt offers no algorithm.
-        ``timer(problem, candidate) -> ms`` picks the fastest of the heuristic's candidates (else its first)."""
+    def problem(self, key, p: Plan, dtype, epilogue: str, ptrs: dict):
+        """The :class:`_Problem` for ``key``, made on first sight; None when cuBLASLt offers no algorithm."""
         if key in self.problems:
             return self.problems[key]
         lib, vp, cuda_t = self.lib, ctypes.c_void_p, _CUDA_TYPES[dtype]
@@ -185,23 +177,17 @@ class _Lt:
         self._set(setp, pref, _PREF_WORKSPACE, ctypes.c_uint64(_WORKSPACE))
         for attr, name in zip(_PREF_ALIGN, ("b", "a", "d", "d")):  # cuBLASLt's A is b, its B is a; C is D
             self._set(setp, pref, attr, ctypes.c_uint32(_alignment(ptrs[name])))
-        results, count = (_Heuristic * _CANDIDATES)(), ctypes.c_int(0)
+        result, count = _Heuristic(), ctypes.c_int(0)
         status = lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, layouts[0], layouts[1], layouts[2],
-                                                    layouts[2], pref, _CANDIDATES, results, ctypes.byref(count))
+                                                    layouts[2], pref, 1, ctypes.byref(result), ctypes.byref(count))
         lib.cublasLtMatmulPreferenceDestroy(pref)
-        candidates = [results[i] for i in range(count.value if status == 0 else 0) if results[i].state == 0]
-        entry = None
-        if candidates:
-            entry = _Problem(desc, layouts, candidates[0], [])
-            if timer is not None and len(candidates) > 1:
-                entry.timings[:] = [timer(entry, c) for c in candidates]
-                entry = entry._replace(algo=candidates[min(range(len(candidates)), key=entry.timings.__getitem__)])
-        self.problems[key] = entry
-        return entry
+        ok = status == 0 and count.value > 0 and result.state == 0
+        self.problems[key] = _Problem(desc, layouts, result) if ok else None
+        return self.problems[key]
 
     def pointers(self, desc, epilogue: str, ptrs: dict):
         setd = self.lib.cublasLtMatmulDescSetAttribute
-        if epilogue in _HAS_BIAS or epilogue in _HAS_BIAS_GRAD:
+        if epilogue in _HAS_BIAS:
             self._set(setd, desc, _BIAS_POINTER, ctypes.c_void_p(ptrs["bias"]))
         if epilogue in _HAS_AUX:
             self._set(setd, desc, _AUX_POINTER, ctypes.c_void_p(ptrs["aux"]))
@@ -247,11 +233,9 @@ def eligible(*tensors, sizes=()) -> bool:
     return _lt() is not None
 
 
-def gemm(a: torch.Tensor, b: torch.Tensor, epilogue: str = "none", *, bias=None, aux=None, bias_grad=None,
-         out=None) -> Optional[torch.Tensor]:
+def gemm(a: torch.Tensor, b: torch.Tensor, epilogue: str, *, bias=None, aux=None, out=None) -> Optional[torch.Tensor]:
     """``D = a @ b`` with ``epilogue`` (see the module's table) into ``out`` (a new ``(M, N)`` tensor when
-    None). ``bias``: ``(N,)``; ``aux``: ``(M, N)`` contiguous (written by ``gelu_aux_bias``, read by
-    ``dgelu_bgrad``); ``bias_grad``: written, ``(N,)`` for ``dgelu_bgrad``, ``(M,)`` for ``bgrad_a``.
+    None). ``bias``: ``(N,)``; ``aux``: ``(M, N)`` contiguous, written by ``gelu_aux*``, read by ``dgelu``.
     Returns None, having done nothing, when cuBLASLt has no algorithm for the problem (call
     :func:`eligible` first for the rest)."""
     p = plan(a, b)
@@ -260,56 +244,19 @@ def gemm(a: torch.Tensor, b: torch.Tensor, epilogue: str = "none", *, bias=None,
                          "must be row- or column-contiguous 2-D views with a.shape[1] == b.shape[0]")
     if out is None:
         out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
-    vector = bias_grad if epilogue in _HAS_BIAS_GRAD else bias
     ptrs = {"a": a.data_ptr(), "b": b.data_ptr(), "d": out.data_ptr(),
-            "bias": vector.data_ptr() if vector is not None else 0, "aux": aux.data_ptr() if aux is not None else 0}
+            "bias": bias.data_ptr() if bias is not None else 0, "aux": aux.data_ptr() if aux is not None else 0}
     lt = _lt()
     key = (a.dtype, a.device.index, p, epilogue) + tuple(_alignment(v) for v in ptrs.values())
-    stream = torch.cuda.current_stream(a.device)
-
-    def launch(entry, algo):
-        ws = int(algo.workspace_size)
-        workspace = torch.empty(ws, dtype=torch.uint8, device=a.device) if ws else None
-        lt.pointers(entry.desc, epilogue, ptrs)
-        status = lt.lib.cublasLtMatmul(
-            lt.handle, entry.desc, ctypes.byref(lt.one), ptrs["b"], entry.layouts[0], ptrs["a"], entry.layouts[1],
-            ctypes.byref(lt.zero), ptrs["d"], entry.layouts[2], ptrs["d"], entry.layouts[2], ctypes.byref(algo.algo),
-            workspace.data_ptr() if workspace is not None else None, ws, stream.cuda_stream)
-        lt._check(status, f"cublasLtMatmul ({epilogue}, {p})")
-
-    def timer(entry, algo, reps=5):
-        """ms of one run with ``algo`` (median of ``reps`` after one warm run); first sight only, never
-        while a CUDA graph is being captured (then the heuristic's first choice is kept)."""
-        launch(entry, algo)
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(2 * reps)]
-        for i in range(reps):
-            events[2 * i].record(stream)
-            launch(entry, algo)
-            events[2 * i + 1].record(stream)
-        stream.synchronize()
-        return sorted(events[2 * i].elapsed_time(events[2 * i + 1]) for i in range(reps))[reps // 2]
-
-    # Timing needs a sync (never while a graph is captured) and may pick differently run to run (so not in
-    # deterministic mode): there the heuristic's first choice is kept.
-    tune = not torch.cuda.is_current_stream_capturing() and not torch.are_deterministic_algorithms_enabled()
-    entry = lt.problem(key, p, a.dtype, epilogue, ptrs, timer=timer if tune else None)
+    entry = lt.problem(key, p, a.dtype, epilogue, ptrs)
     if entry is None:
         return None
-    launch(entry, entry.algo)
+    lt.pointers(entry.desc, epilogue, ptrs)
+    ws = int(entry.algo.workspace_size)
+    workspace = torch.empty(ws, dtype=torch.uint8, device=a.device) if ws else None
+    status = lt.lib.cublasLtMatmul(
+        lt.handle, entry.desc, ctypes.byref(lt.one), ptrs["b"], entry.layouts[0], ptrs["a"], entry.layouts[1],
+        ctypes.byref(lt.zero), ptrs["d"], entry.layouts[2], ptrs["d"], entry.layouts[2], ctypes.byref(entry.algo.algo),
+        workspace.data_ptr() if workspace is not None else None, ws, torch.cuda.current_stream(a.device).cuda_stream)
+    lt._check(status, f"cublasLtMatmul ({epilogue}, {p})")
     return out
-
-
-# ------------------------------------------------------------------------------------------ with fallbacks
-def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b``: cuBLASLt with the fastest of its candidate algorithms where it can take the operands,
-    else torch's."""
-    out = gemm(a, b) if eligible(a, b) else None
-    return out if out is not None else a @ b
-
-
-def linear(x2: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-    """``F.linear(x2, weight, bias)`` for 2-D ``x2``, as :func:`matmul` (the bias in the GEMM's epilogue)."""
-    out = None
-    if eligible(x2, weight, bias, sizes=weight.shape):
-        out = gemm(x2, weight.t(), "bias" if bias is not None else "none", bias=bias)
-    return out if out is not None else torch.nn.functional.linear(x2, weight, bias)

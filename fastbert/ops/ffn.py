@@ -24,10 +24,10 @@ def ffn_ref(x, w1, b1, w2, approximate="none"):
 # Everything below is the fast path. The GEMM is cuBLAS's, with the bias in its epilogue; GELU is one
 # Triton pass over the pre-activation (kept for the backward when grad is on, as eager torch keeps
 # it, else overwritten in place); the backward's GELU derivative is one Triton pass that also reduces
-# d(bias); dgrad / wgrad are GEMMs on cuBLASLt's fastest algorithms (ops/cublaslt.py). With the tanh GELU
-# on 16-bit CUDA operands, cuBLASLt's epilogues do both GELU passes inside GEMMs instead: the up-projection
-# applies bias + GELU and keeps the pre-activation; in :func:`ffn`'s backward, the down-projection's
-# input-gradient GEMM multiplies by GELU's derivative. A Triton GEMM with bias + GELU in its epilogue was
+# d(bias); dgrad / wgrad are cuBLAS matmuls. With the tanh GELU on 16-bit CUDA operands, cuBLASLt's
+# epilogues (ops/cublaslt.py) do both GELU passes inside GEMMs instead: the up-projection applies bias +
+# GELU and keeps the pre-activation; in :func:`ffn`'s backward, the down-projection's input-gradient GEMM
+# multiplies by GELU's derivative. A Triton GEMM with bias + GELU in its epilogue was
 # this file's forward until the fifth session: on an H100 it ran at 0.84-0.94x cuBLAS + a separate GELU
 # (`benchmarks/bench_ops.py --ops ffn`, benchmarks/RESULTS.md), so it is gone.
 import torch  # noqa: E402
@@ -129,7 +129,7 @@ def linear_bias_gelu_fwd(x, weight, bias, approximate, store_pre):
     if lt is not None:
         y, z = lt
         return y.view(out_shape), z.view(out_shape) if store_pre else y.new_empty((0,))
-    z = cublaslt.linear(x2, weight, bias)  # (M, N), the bias in the GEMM's epilogue
+    z = F.linear(x2, weight, bias)  # (M, N), cuBLAS with the bias in its epilogue
     y = torch.empty_like(z) if store_pre else z
     if z.numel() > 0:
         _gelu_fwd_kernel[(triton.cdiv(z.numel(), _GELU_BLOCK),)](
@@ -235,7 +235,7 @@ def ffn_fwd(x, w1, b1, w2, approximate, store_pre):
     pre-activation z ``(tokens, intermediate)`` for the backward (else empty tensors)."""
     y, z = linear_bias_gelu_fwd(x, w1, b1, approximate, store_pre)
     y2 = y.reshape(-1, w1.shape[0])
-    out = cublaslt.linear(y2, w2).view(*x.shape[:-1], w2.shape[0])
+    out = F.linear(y2, w2).view(*x.shape[:-1], w2.shape[0])
     return (out, y2, z.reshape(y2.shape)) if store_pre else (out, y.new_empty((0,)), z)
 
 
@@ -246,15 +246,15 @@ def ffn_bwd(dout, x, w1, b1, w2, y, z, approximate):
     cuBLASLt's own d(bias) epilogue here runs as a separate 0.6 ms kernel on an H100, so it is not used."""
     d2 = dout.reshape(-1, w2.shape[0])  # (M, hidden)
     x2 = x.reshape(-1, x.shape[-1])
-    dw2 = cublaslt.matmul(d2.t(), y)    # (hidden, M) @ (M, intermediate)
+    dw2 = d2.t() @ y                    # (hidden, M) @ (M, intermediate)
     dz = None
     if approximate == "tanh" and cublaslt.eligible(d2, w2, z):
         dz = cublaslt.gemm(d2, w2, "dgelu", aux=z)
         db = dz.sum(0) if dz is not None and b1 is not None else None
     if dz is None:
-        dz, db = gelu_bwd(cublaslt.matmul(d2, w2), z, approximate)
-    dx = cublaslt.matmul(dz, w1).view(x.shape)  # (M, intermediate) @ (intermediate, hidden)
-    dw1 = cublaslt.matmul(dz.t(), x2)
+        dz, db = gelu_bwd(d2 @ w2, z, approximate)
+    dx = (dz @ w1).view(x.shape)        # (M, intermediate) @ (intermediate, hidden)
+    dw1 = dz.t() @ x2
     db = db.to(b1.dtype) if b1 is not None else w1.new_empty((0,))
     return dx, dw1, db, dw2
 
