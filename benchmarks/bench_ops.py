@@ -469,7 +469,8 @@ def main(argv=None):
     print(f"device: {name}  torch {torch.__version__}", flush=True)
     import triton
     print(f"triton {triton.__version__}", flush=True)
-    benches = {"ln": bench_ln, "ffn": bench_ffn, "block": bench_block, "emb": bench_emb, "mlm": bench_mlm, "fp8": bench_fp8}
+    benches = {"ln": bench_ln, "ffn": bench_ffn, "block": bench_block, "emb": bench_emb, "mlm": bench_mlm,
+               "fp8": bench_fp8}
     for op in args.ops.split(","):
         for h in map(int, args.hidden.split(",")):
             compile_here = not args.no_compile and (

@@ -95,7 +95,8 @@ def layer(ops, x, w: LayerWeights, cu_seqlens, max_seqlen: int, rows: Rows | Non
 
     def ffn(h):  # the output bias is left to the caller
         if not isinstance(activation, str):
-            return linear(activation(linear(h, w.intermediate_weight, w.intermediate_bias, 2)), w.output_weight, None, 3)
+            h = activation(linear(h, w.intermediate_weight, w.intermediate_bias, 2))
+            return linear(h, w.output_weight, None, 3)
         if w.fp8 is not None:  # GELU and its derivative inside the FP8 casts
             history, first = w.fp8
             return fp8_ffn(h, w.intermediate_weight, w.intermediate_bias, w.output_weight, history, first + 6,

@@ -271,7 +271,8 @@ def _ffn_bwd_fake(dout, x, w1, b1, w2, y, z, approximate):
 
 
 _ffn_fwd_op = register_op(
-    "ffn_fwd", "(Tensor x, Tensor w1, Tensor? b1, Tensor w2, str approximate, bool store_pre) -> (Tensor, Tensor, Tensor)",
+    "ffn_fwd",
+    "(Tensor x, Tensor w1, Tensor? b1, Tensor w2, str approximate, bool store_pre) -> (Tensor, Tensor, Tensor)",
     ffn_fwd, _ffn_fwd_fake)
 _ffn_bwd_op = register_op(
     "ffn_bwd", "(Tensor dout, Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor y, Tensor z, str approximate) -> "
