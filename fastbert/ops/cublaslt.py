@@ -216,15 +216,15 @@ def _lt() -> Optional[_Lt]:
 
 
 def eligible(*tensors, sizes=()) -> bool:
-    """Whether :func:`gemm` can take these operands (None entries are skipped): CUDA, all float16 or all
-    bfloat16, each last size and each of ``sizes`` a multiple of 8, 2-D views row- or column-contiguous
+    """Whether :func:`gemm` can take these operands (None entries are skipped): CUDA, not empty, all float16
+    or all bfloat16, each last size and each of ``sizes`` a multiple of 8, 2-D views row- or column-contiguous
     with a leading stride that is a multiple of 8, pointers 16-byte aligned (cuBLASLt's epilogue rules),
     and cuBLASLt loadable."""
     live = [t for t in tensors if t is not None]
     if not live or not all(t.is_cuda for t in live) or live[0].dtype not in _CUDA_TYPES:
         return False
     for t in live:
-        if t.dtype != live[0].dtype or t.data_ptr() % 16 or t.dim() not in (1, 2) or t.shape[-1] % 8:
+        if t.dtype != live[0].dtype or t.numel() == 0 or t.data_ptr() % 16 or t.dim() not in (1, 2) or t.shape[-1] % 8:
             return False
         if t.dim() == 2 and not (_stored(t) is not None and _stored(t)[1] % 8 == 0):
             return False

@@ -91,6 +91,7 @@ def test_not_eligible_off_gpu_or_off_rules():
         assert not cublaslt.eligible(c, c.float())   # mixed dtypes
         assert not cublaslt.eligible(c[:, :12], c)  # a size off the multiple of 8
         assert not cublaslt.eligible(c, sizes=(12,))
+        assert not cublaslt.eligible(c[:0], c)  # no tokens
 
 
 # ------------------------------------------------------------------------------------------ on the GPU
