@@ -82,40 +82,50 @@ def layer(ops, x, w: LayerWeights, cu_seqlens, max_seqlen: int, rows: Rows | Non
         history, first = w.fp8
         return fp8_linear(h, weight, bias, history, first + 3 * index)
 
-    def attention(h):
+    # Post-LN: the layer's input feeds the QKV projection and the residual add, the attention block's output
+    # the FFN and the next residual add; the ops hand their input on for the residual (``residual=h``), so
+    # its gradient joins theirs inside a GEMM instead of an addition kernel.
+    def attention(h):  # -> (output, probs, h for the residual)
         tokens = h.shape[0]
-        qkv = linear(h, w.qkv_weight, w.qkv_bias, 0).view(tokens, 3, nh, hd)  # (T, 3, nh, hd)
+        if w.fp8 is None:
+            qkv, h = ops.linear_residual(h, w.qkv_weight, w.qkv_bias)
+        else:
+            qkv = linear(h, w.qkv_weight, w.qkv_bias, 0)
+        qkv = qkv.view(tokens, 3, nh, hd)  # (T, 3, nh, hd)
         p = dropout.attention
         ctx = with_padding_rows(
             lambda t: ops.attention_qkvpacked(t, cu_seqlens, max_seqlen, dropout_p=p, softmax_scale=softmax_scale),
             qkv, rows, softmax_scale, p)  # (T, nh, hd)
         probs = (attention_maps_or_packed(qkv, rows, cu_seqlens, max_seqlen, softmax_scale)
                  if output_attentions else None)
-        return linear(ctx.reshape(tokens, nh * hd), w.attention_out_weight, None, 1), probs  # bias: in add + norm
+        out = linear(ctx.reshape(tokens, nh * hd), w.attention_out_weight, None, 1)  # bias: in add + norm
+        return out, probs, h
 
-    def ffn(h):  # the output bias is left to the caller
+    def ffn(h):  # -> (output, h for the residual); the output bias is left to the caller
         if not isinstance(activation, str):
-            h = activation(linear(h, w.intermediate_weight, w.intermediate_bias, 2))
-            return linear(h, w.output_weight, None, 3)
+            y = activation(linear(h, w.intermediate_weight, w.intermediate_bias, 2))
+            return linear(y, w.output_weight, None, 3), h
         if w.fp8 is not None:  # GELU and its derivative inside the FP8 casts
             history, first = w.fp8
             return fp8_ffn(h, w.intermediate_weight, w.intermediate_bias, w.output_weight, history, first + 6,
-                           activation)
+                           activation), h
         # up-projection, GELU, down-projection in one op, so that GELU's derivative can join a GEMM
-        return ops.ffn(h, w.intermediate_weight, w.intermediate_bias, w.output_weight, approximate=activation)
+        return ops.ffn(h, w.intermediate_weight, w.intermediate_bias, w.output_weight, approximate=activation,
+                       residual=True)
 
     def add_norm(y, residual, norm, y_bias, p, also_sum=False):  # also_sum: (normalized, residual sum)
         return ops.dropout_add_layer_norm(y, residual, norm.weight, norm.bias, norm.eps, x_bias=y_bias,
                                           dropout_p=p, prenorm=also_sum)
 
     if not prenorm:
-        y, probs = attention(x)
+        y, probs, x = attention(x)
         x = add_norm(y, x, w.attention_norm, w.attention_out_bias, dropout.attention_output)
-        x = add_norm(ffn(x), x, w.output_norm, w.output_bias, dropout.output)
+        y, x = ffn(x)
+        x = add_norm(y, x, w.output_norm, w.output_bias, dropout.output)
         return x, probs
     norm = w.attention_norm
-    y, probs = attention(ops.dropout_add_layer_norm(x, None, norm.weight, norm.bias, norm.eps))
+    y, probs, _ = attention(ops.dropout_add_layer_norm(x, None, norm.weight, norm.bias, norm.eps))
     h, x = add_norm(y, x, w.output_norm, w.attention_out_bias, dropout.attention_output, also_sum=True)
-    y = ffn(h) + w.output_bias  # Pre-LN: the FFN's output joins the residual stream un-normalized
+    y = ffn(h)[0] + w.output_bias  # Pre-LN: the FFN's output joins the residual stream un-normalized
     p = dropout.output
     return x + (F.dropout(y, p, training=True) if p > 0 else y), probs

@@ -35,6 +35,7 @@ class Ops(NamedTuple):
     attention: Callable
     mlm_loss: Callable
     attention_qkvpacked: Callable  # attention on one (T, 3, nh, hd) tensor, gradient packed too
+    linear_residual: Callable  # (F.linear(x, w, b), x): the residual's gradient joins dx inside its GEMM
 
 
 def get_ops(kernels: str) -> Ops:
@@ -43,9 +44,10 @@ def get_ops(kernels: str) -> Ops:
         from fastbert.ops.embeddings import bert_embeddings_ref
         from fastbert.ops.ffn import ffn_ref
         from fastbert.ops.layer_norm import dropout_add_layer_norm_ref
+        from fastbert.ops.linear import linear_residual_ref
         from fastbert.ops.mlm_loss import sparse_mlm_loss_ref
         return Ops(bert_embeddings_ref, dropout_add_layer_norm_ref, ffn_ref,
-                   varlen_attention_ref, sparse_mlm_loss_ref, varlen_attention_qkvpacked_ref)
+                   varlen_attention_ref, sparse_mlm_loss_ref, varlen_attention_qkvpacked_ref, linear_residual_ref)
     if kernels == "triton":
         from fastbert.ops._common import require_triton
         require_triton()  # the one error naming the fix, before any kernel is asked for
@@ -53,10 +55,11 @@ def get_ops(kernels: str) -> Ops:
         from fastbert.ops.embeddings import bert_embeddings, bert_embeddings_ref
         from fastbert.ops.ffn import ffn
         from fastbert.ops.layer_norm import dropout_add_layer_norm
+        from fastbert.ops.linear import linear_residual
         from fastbert.ops.mlm_loss import sparse_mlm_loss
         # The fused embedding backward accumulates with atomics (not bitwise run to run): deterministic mode
         # (torch.use_deterministic_algorithms) takes the reference, whose index_add is deterministic there.
         embeddings = bert_embeddings_ref if torch.are_deterministic_algorithms_enabled() else bert_embeddings
         return Ops(embeddings, dropout_add_layer_norm, ffn, varlen_attention, sparse_mlm_loss,
-                   varlen_attention_qkvpacked)
+                   varlen_attention_qkvpacked, linear_residual)
     raise ValueError(f"unknown kernels={kernels!r}; use 'torch' or 'triton'")

@@ -14,10 +14,11 @@ def linear_bias_gelu_ref(x, weight, bias, approximate="none"):
     return F.gelu(F.linear(x, weight, bias), approximate=approximate)
 
 
-def ffn_ref(x, w1, b1, w2, approximate="none"):
+def ffn_ref(x, w1, b1, w2, approximate="none", residual=False):
     """Reference of the FFN without its output bias. ``w1``: ``(intermediate, hidden)``, ``w2``:
-    ``(hidden, intermediate)``."""
-    return F.linear(linear_bias_gelu_ref(x, w1, b1, approximate), w2)
+    ``(hidden, intermediate)``. ``residual=True`` returns ``(out, x)`` (as :func:`ffn`)."""
+    out = F.linear(linear_bias_gelu_ref(x, w1, b1, approximate), w2)
+    return (out, x) if residual else out
 
 
 # ============================================================================= Triton kernels
@@ -239,8 +240,9 @@ def ffn_fwd(x, w1, b1, w2, approximate, store_pre):
     return (out, y2, z.reshape(y2.shape)) if store_pre else (out, y.new_empty((0,)), z)
 
 
-def ffn_bwd(dout, x, w1, b1, w2, y, z, approximate):
-    """``(dx, dw1, db1, dw2)``; db1 is empty when ``b1`` is None. With the tanh GELU on eligible operands
+def ffn_bwd(dout, dres, x, w1, b1, w2, y, z, approximate):
+    """``(dx, dw1, db1, dw2)``; db1 is empty when ``b1`` is None. ``dres``: the gradient that reached x
+    through the residual connection (or None), added to dx inside its GEMM. With the tanh GELU on eligible operands
     the down-projection's input-gradient GEMM applies GELU's derivative in its epilogue (cuBLASLt) and
     d(b1) is one reduction; otherwise that GEMM, then :func:`gelu_bwd` (which reduces d(b1) too).
     cuBLASLt's own d(bias) epilogue here runs as a separate 0.6 ms kernel on an H100, so it is not used."""
@@ -253,7 +255,10 @@ def ffn_bwd(dout, x, w1, b1, w2, y, z, approximate):
         db = dz.sum(0) if dz is not None and b1 is not None else None
     if dz is None:
         dz, db = gelu_bwd(d2 @ w2, z, approximate)
-    dx = (dz @ w1).view(x.shape)        # (M, intermediate) @ (intermediate, hidden)
+    if dres is not None:                # (M, intermediate) @ (intermediate, hidden) [+ dres]
+        dx = torch.addmm(dres.reshape(-1, x.shape[-1]), dz, w1).view(x.shape)
+    else:
+        dx = (dz @ w1).view(x.shape)
     dw1 = dz.t() @ x2
     db = db.to(b1.dtype) if b1 is not None else w1.new_empty((0,))
     return dx, dw1, db, dw2
@@ -265,7 +270,7 @@ def _ffn_fwd_fake(x, w1, b1, w2, approximate, store_pre):
     return out, inner, torch.empty_like(inner)
 
 
-def _ffn_bwd_fake(dout, x, w1, b1, w2, y, z, approximate):
+def _ffn_bwd_fake(dout, dres, x, w1, b1, w2, y, z, approximate):
     db = torch.empty_like(b1) if b1 is not None else w1.new_empty((0,))
     return torch.empty_like(x), torch.empty_like(w1), db, torch.empty_like(w2)
 
@@ -275,30 +280,37 @@ _ffn_fwd_op = register_op(
     "(Tensor x, Tensor w1, Tensor? b1, Tensor w2, str approximate, bool store_pre) -> (Tensor, Tensor, Tensor)",
     ffn_fwd, _ffn_fwd_fake)
 _ffn_bwd_op = register_op(
-    "ffn_bwd", "(Tensor dout, Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor y, Tensor z, str approximate) -> "
-    "(Tensor, Tensor, Tensor, Tensor)", ffn_bwd, _ffn_bwd_fake)
+    "ffn_bwd", "(Tensor dout, Tensor? dres, Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor y, Tensor z, "
+    "str approximate) -> (Tensor, Tensor, Tensor, Tensor)", ffn_bwd, _ffn_bwd_fake)
 
 
 class FfnFn(torch.autograd.Function):
+    """Returns the FFN's output and x itself: a gradient reaching x through that second output (the
+    residual connection's) is added to dx inside the last GEMM of the backward, not by autograd's
+    own addition kernel (one pass over a (tokens, hidden) tensor less per layer)."""
+
     @staticmethod
     def forward(ctx, x, w1, b1, w2, approximate):
         out, y, z = _ffn_fwd_op(x, w1, b1, w2, approximate, True)
         ctx.save_for_backward(x, w1, b1, w2, y, z)
         ctx.approximate = approximate
-        return out
+        return out, x
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, dres):
         x, w1, b1, w2, y, z = ctx.saved_tensors
-        dx, dw1, db1, dw2 = _ffn_bwd_op(dout.contiguous(), x, w1, b1, w2, y, z, ctx.approximate)
+        dres = dres.contiguous() if dres is not None else None
+        dx, dw1, db1, dw2 = _ffn_bwd_op(dout.contiguous(), dres, x, w1, b1, w2, y, z, ctx.approximate)
         return dx, dw1, db1 if b1 is not None else None, dw2, None
 
 
-def ffn(x, w1, b1, w2, approximate="none"):
+def ffn(x, w1, b1, w2, approximate="none", residual=False):
     """Fused FFN without its output bias, ``gelu(x @ w1.T + b1) @ w2.T``; same signature and semantics as
-    :func:`ffn_ref`."""
+    :func:`ffn_ref`. ``residual=True`` returns ``(out, x)``: use that x for the residual connection and its
+    gradient joins the input gradient inside the backward's last GEMM."""
     _check_approximate(approximate)
     check_triton_device(x, w1, b1, w2)
+    x_in = x
     cast = autocast_dtype(x.device)
     if cast is not None:  # behave like F.linear under torch.autocast
         x, w1, w2 = x.to(cast), w1.to(cast), w2.to(cast)
@@ -311,5 +323,9 @@ def ffn(x, w1, b1, w2, approximate="none"):
         raise TypeError(f"ffn: x, w1, w2 are {x.dtype}, {w1.dtype}, {w2.dtype}; cast them alike (or use autocast)")
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w1, b1, w2))
     if not needs_grad:
-        return _ffn_fwd_op(x, w1, b1, w2, approximate, False)[0]
-    return FfnFn.apply(x, w1, b1, w2, approximate)
+        out = _ffn_fwd_op(x, w1, b1, w2, approximate, False)[0]
+        return (out, x_in) if residual else out
+    out, passed = FfnFn.apply(x, w1, b1, w2, approximate)
+    if not residual:
+        return out
+    return out, (passed if x is x_in else x_in)  # a cast copy of x must not stand in for x in the residual

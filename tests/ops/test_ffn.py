@@ -136,6 +136,23 @@ def test_ffn_matches_reference(lead, h, i, dtype, approximate):
     check_ffn(lead, h, i, dtype, approximate)
 
 
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_ffn_residual_gradient_joins_dx(approximate):
+    """``residual=True``: the gradient reaching the returned x (a residual add's) is added to dx inside the
+    backward; the result must equal autograd's sum of the two paths."""
+    g = torch.Generator().manual_seed(1)
+    x, w1, b1, w2, dy, dr = (torch.randn(*s, generator=g, dtype=torch.float64).to(DEVICE)
+                             for s in ((11, 16), (24, 16), (24,), (16, 24), (11, 16), (11, 16)))
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in (x, w1, b1, w2)]
+        out, passed = fn(*leaves, approximate=approximate, residual=True)
+        return torch.autograd.grad((out * dy).sum() + (passed * dr).sum(), leaves)
+
+    for a, e in zip(run(ffn), run(ffn_ref)):
+        torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)  # the kernels' GELU is fp32
+
+
 def test_ffn_no_bias_inference_and_compile():
     check_ffn((9,), 16, 24, torch.float32, "tanh", has_bias=False)
     g = torch.Generator().manual_seed(0)
