@@ -1,10 +1,13 @@
-"""cuBLASLt GEMMs with GELU epilogues, called through ctypes on the libcublasLt that torch loaded.
+"""cuBLASLt GEMMs with GELU epilogues or an added matrix, called through ctypes on the libcublasLt that
+torch loaded.
 
 torch reaches cuBLASLt's GELU epilogue only without its auxiliary output (``torch._addmm_activation``),
-which a training step cannot use: the backward needs the pre-activation. :func:`gemm` computes
-``D = a @ b`` (row-major views, 16-bit) with one of these epilogues:
+which a training step cannot use: the backward needs the pre-activation; and its ``addmm`` copies the
+added matrix into the output before the GEMM (a pass over it). :func:`gemm` computes ``D = a @ b``
+(row-major views, 16-bit) with one of these epilogues:
 
 ====================  =======================================================================
+``"default"``         D [+ c] (c read by the GEMM, not copied first)
 ``"gelu[_bias]"``     gelu(D [+ bias]) (bias: one value per column of D)
 ``"gelu_aux[_bias]"`` gelu(D [+ bias]), and the pre-activation written to ``aux``
 ``"dgelu"``           D * gelu'(aux)
@@ -23,6 +26,7 @@ algorithm for a problem, :func:`eligible` / :func:`gemm` say so (False / None) a
 own path.
 
 Measured on an H100 (cuBLAS 13, benchmarks/RESULTS.md, sixth session), and why only these epilogues:
+``"default"`` with ``c`` saves torch.addmm's copy of c (22 us per (16K, 1024) bf16 matrix);
 both GELU epilogues are fused into the GEMM's kernel (+~45 us over the plain GEMM at 16K x 1024 -> 4096,
 against ~95 us for GELU as its own pass forward and ~165 us backward); the bias-gradient epilogues
 (DGELU_BGRAD, BGRADB) run as a separate reduction kernel, 0.6 ms for DGELU_BGRAD there, no faster than
@@ -40,7 +44,7 @@ from typing import NamedTuple, Optional
 import torch
 
 # cublasLtEpilogue_t values
-EPILOGUES = {"gelu": 32, "gelu_bias": 36, "gelu_aux": 160, "gelu_aux_bias": 164, "dgelu": 192}
+EPILOGUES = {"default": 1, "gelu": 32, "gelu_bias": 36, "gelu_aux": 160, "gelu_aux_bias": 164, "dgelu": 192}
 _HAS_BIAS = ("gelu_bias", "gelu_aux_bias")
 _HAS_AUX = ("gelu_aux", "gelu_aux_bias", "dgelu")
 _CUDA_TYPES = {torch.float16: 2, torch.bfloat16: 14}  # cudaDataType_t
@@ -53,7 +57,7 @@ _WORKSPACE = 32 * 2**20
 
 class _Problem(NamedTuple):
     desc: object      # cublasLtMatmulDesc_t
-    layouts: list     # A, B, D (C is D)
+    layouts: list     # A, B, D (C has D's)
     algo: object      # the heuristic's first choice (a _Heuristic)
 
 
@@ -175,7 +179,7 @@ class _Lt:
         self._check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "PreferenceCreate")
         setp = lib.cublasLtMatmulPreferenceSetAttribute
         self._set(setp, pref, _PREF_WORKSPACE, ctypes.c_uint64(_WORKSPACE))
-        for attr, name in zip(_PREF_ALIGN, ("b", "a", "d", "d")):  # cuBLASLt's A is b, its B is a; C is D
+        for attr, name in zip(_PREF_ALIGN, ("b", "a", "c", "d")):  # cuBLASLt's A is b, its B is a
             self._set(setp, pref, attr, ctypes.c_uint32(_alignment(ptrs[name])))
         result, count = _Heuristic(), ctypes.c_int(0)
         status = lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, layouts[0], layouts[1], layouts[2],
@@ -233,9 +237,11 @@ def eligible(*tensors, sizes=()) -> bool:
     return _lt() is not None
 
 
-def gemm(a: torch.Tensor, b: torch.Tensor, epilogue: str, *, bias=None, aux=None, out=None) -> Optional[torch.Tensor]:
+def gemm(a: torch.Tensor, b: torch.Tensor, epilogue: str, *, bias=None, aux=None, c=None,
+         out=None) -> Optional[torch.Tensor]:
     """``D = a @ b`` with ``epilogue`` (see the module's table) into ``out`` (a new ``(M, N)`` tensor when
-    None). ``bias``: ``(N,)``; ``aux``: ``(M, N)`` contiguous, written by ``gelu_aux*``, read by ``dgelu``.
+    None). ``bias``: ``(N,)``; ``aux``: ``(M, N)`` contiguous, written by ``gelu_aux*``, read by ``dgelu``;
+    ``c``: ``(M, N)`` contiguous, added (``"default"`` only).
     Returns None, having done nothing, when cuBLASLt has no algorithm for the problem (call
     :func:`eligible` first for the rest)."""
     p = plan(a, b)
@@ -244,10 +250,12 @@ def gemm(a: torch.Tensor, b: torch.Tensor, epilogue: str, *, bias=None, aux=None
                          "must be row- or column-contiguous 2-D views with a.shape[1] == b.shape[0]")
     if out is None:
         out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
-    ptrs = {"a": a.data_ptr(), "b": b.data_ptr(), "d": out.data_ptr(),
+    if c is not None and (epilogue != "default" or c.shape != out.shape or not c.is_contiguous()):
+        raise ValueError(f"cublaslt.gemm: c must be a contiguous {tuple(out.shape)} tensor, with the default epilogue")
+    ptrs = {"a": a.data_ptr(), "b": b.data_ptr(), "d": out.data_ptr(), "c": (c if c is not None else out).data_ptr(),
             "bias": bias.data_ptr() if bias is not None else 0, "aux": aux.data_ptr() if aux is not None else 0}
     lt = _lt()
-    key = (a.dtype, a.device.index, p, epilogue) + tuple(_alignment(v) for v in ptrs.values())
+    key = (a.dtype, a.device.index, p, epilogue, c is not None) + tuple(_alignment(v) for v in ptrs.values())
     entry = lt.problem(key, p, a.dtype, epilogue, ptrs)
     if entry is None:
         return None
@@ -256,7 +264,15 @@ def gemm(a: torch.Tensor, b: torch.Tensor, epilogue: str, *, bias=None, aux=None
     workspace = torch.empty(ws, dtype=torch.uint8, device=a.device) if ws else None
     status = lt.lib.cublasLtMatmul(
         lt.handle, entry.desc, ctypes.byref(lt.one), ptrs["b"], entry.layouts[0], ptrs["a"], entry.layouts[1],
-        ctypes.byref(lt.zero), ptrs["d"], entry.layouts[2], ptrs["d"], entry.layouts[2], ctypes.byref(entry.algo.algo),
+        ctypes.byref(lt.one if c is not None else lt.zero), ptrs["c"], entry.layouts[2], ptrs["d"], entry.layouts[2],
+        ctypes.byref(entry.algo.algo),
         workspace.data_ptr() if workspace is not None else None, ws, torch.cuda.current_stream(a.device).cuda_stream)
     lt._check(status, f"cublasLtMatmul ({epilogue}, {p})")
     return out
+
+
+def addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``c + a @ b`` as a new tensor: cuBLASLt reads ``c`` in the GEMM's epilogue where it can take the
+    operands; elsewhere ``torch.addmm`` (which copies c into the output before its GEMM)."""
+    out = gemm(a, b, "default", c=c) if eligible(a, b, c) and c.is_contiguous() else None
+    return out if out is not None else torch.addmm(c, a, b)

@@ -256,7 +256,7 @@ def ffn_bwd(dout, dres, x, w1, b1, w2, y, z, approximate):
     if dz is None:
         dz, db = gelu_bwd(d2 @ w2, z, approximate)
     if dres is not None:                # (M, intermediate) @ (intermediate, hidden) [+ dres]
-        dx = torch.addmm(dres.reshape(-1, x.shape[-1]), dz, w1).view(x.shape)
+        dx = cublaslt.addmm(dres.reshape(-1, x.shape[-1]), dz, w1).view(x.shape)
     else:
         dx = (dz @ w1).view(x.shape)
     dw1 = dz.t() @ x2

@@ -4,13 +4,15 @@ When x feeds both this layer and a residual connection (Post-LN BERT's layer inp
 and the attention block's residual add), autograd adds the two gradients of x in a kernel of its own, one
 more pass over a ``(tokens, hidden)`` tensor. Here the residual connection takes x from the second
 output, and the backward adds the gradient arriving there inside the input-gradient GEMM
-(``addmm``, beta = 1). Otherwise it is ``F.linear``: the same GEMMs, the same bias reduction.
+(``cublaslt.addmm``: beta = 1, the added matrix read by the GEMM). Otherwise it is ``F.linear``: the same
+GEMMs, the same bias reduction.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from fastbert.ops import cublaslt
 from fastbert.ops._common import autocast_dtype, register_op
 
 
@@ -24,7 +26,7 @@ def linear_residual_bwd(dy, dres, x, weight, has_bias: bool):
     dbias is empty without a bias."""
     n, k = weight.shape
     d2, x2 = dy.reshape(-1, n), x.reshape(-1, k)  # (M, out), (M, in)
-    dx = torch.addmm(dres.reshape(-1, k), d2, weight) if dres is not None else d2 @ weight
+    dx = cublaslt.addmm(dres.reshape(-1, k), d2, weight) if dres is not None else d2 @ weight
     db = d2.sum(0) if has_bias else weight.new_empty((0,))
     return dx.view(x.shape), d2.t() @ x2, db
 

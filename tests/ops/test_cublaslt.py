@@ -25,12 +25,15 @@ def colmajor(t, rows, cols, ld):
     return torch.as_strided(t, (rows, cols), (1, ld), t.storage_offset())
 
 
-def emulate(a, b, epilogue, bias=None, aux=None):
-    """D row-major, as cuBLASLt computes it for the plan of ``a @ b`` (``aux`` written or read)."""
+def emulate(a, b, epilogue, bias=None, aux=None, c=None):
+    """D row-major, as cuBLASLt computes it for the plan of ``a @ b`` (``aux`` written or read; ``c``
+    added with beta = 1, in D's layout)."""
     p = cublaslt.plan(a, b)
     A = colmajor(b, *((p.k, p.m) if p.trans_a else (p.m, p.k)), p.lda)  # cuBLASLt's A is b
     B = colmajor(a, *((p.n, p.k) if p.trans_b else (p.k, p.n)), p.ldb)  # and its B is a
     d = (A.t() if p.trans_a else A) @ (B.t() if p.trans_b else B)      # (m, n) column-major
+    if c is not None:
+        d = d + colmajor(c, p.m, p.n, p.ldd)                            # C: D's layout
     if epilogue.endswith("_bias"):
         d = d + bias[:, None]                           # bias: one value per row of column-major D
     if epilogue.startswith("gelu_aux"):
@@ -50,11 +53,13 @@ def operand(rows, cols, transposed, g):
     return torch.randn(rows, cols + 5, generator=g, dtype=torch.float64)[:, :cols]
 
 
-EPILOGUES = ["gelu", "gelu_bias", "gelu_aux", "gelu_aux_bias", "dgelu"]
+EPILOGUES = ["default", "gelu", "gelu_bias", "gelu_aux", "gelu_aux_bias", "dgelu"]
 
 
-def expected(ab, epilogue, bias, aux_in):
+def expected(ab, epilogue, bias, aux_in, c=None):
     """(D, aux after the call) in plain row-major math."""
+    if epilogue == "default":
+        return (ab + c if c is not None else ab), aux_in
     z = ab + bias if epilogue.endswith("_bias") else ab
     if epilogue == "dgelu":
         return ab * gelu_grad_tanh(aux_in), aux_in
@@ -70,8 +75,9 @@ def test_plan_matches_row_major_math(ta, tb, epilogue):
     a, b = operand(m, k, ta, g), operand(k, n, tb, g)
     bias = torch.randn(n, generator=g, dtype=torch.float64)
     aux = torch.randn(m, n, generator=g, dtype=torch.float64)
-    want, want_aux = expected(a @ b, epilogue, bias, aux.clone())
-    torch.testing.assert_close(emulate(a, b, epilogue, bias=bias, aux=aux), want)
+    c = torch.randn(m, n, generator=g, dtype=torch.float64) if epilogue == "default" else None
+    want, want_aux = expected(a @ b, epilogue, bias, aux.clone(), c)
+    torch.testing.assert_close(emulate(a, b, epilogue, bias=bias, aux=aux, c=c), want)
     torch.testing.assert_close(aux, want_aux)  # gelu_aux*: the pre-activation, row-major (M, N)
 
 
@@ -81,6 +87,10 @@ def test_plan_rejects_other_layouts():
     assert cublaslt.plan(x, torch.randn(8, 8)) is None  # inner sizes differ
     with pytest.raises(ValueError, match="row- or column-contiguous"):
         cublaslt.gemm(x[:, ::2], torch.randn(8, 8), "gelu")
+    with pytest.raises(ValueError, match="c must be"):
+        cublaslt.gemm(x, torch.randn(16, 8), "gelu", c=torch.randn(8, 8))
+    torch.testing.assert_close(cublaslt.addmm(torch.ones(8, 8), x, torch.randn(16, 8, generator=None).fill_(1)),
+                               1 + x.sum(1, keepdim=True).expand(8, 8))  # off the GPU: torch.addmm
 
 
 def test_not_eligible_off_gpu_or_off_rules():
@@ -110,9 +120,11 @@ def test_gpu_matches_torch(ta, tb, epilogue, dtype):
     a, b = make(m, k, ta, 1.0), make(k, n, tb, k ** -0.5)
     bias = torch.randn(n, generator=g).to("cuda", dtype)
     aux = torch.randn(m, n, generator=g).to("cuda", dtype)
-    want, want_aux = expected(a.double() @ b.double(), epilogue, bias.double(), aux.double())
+    c = torch.randn(m, n, generator=g).to("cuda", dtype) if epilogue == "default" else None
+    want, want_aux = expected(a.double() @ b.double(), epilogue, bias.double(), aux.double(),
+                              c.double() if c is not None else None)
     assert cublaslt.eligible(a, b, bias, aux)
-    out = cublaslt.gemm(a, b, epilogue, bias=bias, aux=aux)
+    out = cublaslt.gemm(a, b, epilogue, bias=bias, aux=aux, c=c)
     assert out is not None, "cuBLASLt offered no algorithm"
     torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(aux.double(), want_aux, atol=2e-2, rtol=2e-2)

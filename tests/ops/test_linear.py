@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fastbert.ops import cublaslt
 from fastbert.ops.linear import linear_residual, linear_residual_bwd, linear_residual_ref
 from ops_testing import DEVICE, assert_compiled_matches_eager, assert_within
 
@@ -68,3 +69,5 @@ def test_gpu_bert_shapes(m, k, n):
     ref = grads(linear_residual_ref, x, w, b, dy, dres, torch.float64)
     for name, a, s, r in zip(("out", "dx", "dweight", "dbias"), got, same, ref):
         assert_within(name, a, s, r, torch.bfloat16)
+    ran = {key[3] for key, entry in cublaslt._lt().problems.items() if entry is not None and key[4]}
+    assert "default" in ran, ran  # dx = dres + dy @ W came from cuBLASLt reading dres, not torch.addmm
