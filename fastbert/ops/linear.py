@@ -36,7 +36,8 @@ def _bwd_fake(dy, dres, x, weight, has_bias):
 
 
 _bwd_op = register_op(
-    "linear_residual_bwd", "(Tensor dy, Tensor? dres, Tensor x, Tensor weight, bool has_bias) -> (Tensor, Tensor, Tensor)",
+    "linear_residual_bwd",
+    "(Tensor dy, Tensor? dres, Tensor x, Tensor weight, bool has_bias) -> (Tensor, Tensor, Tensor)",
     linear_residual_bwd, _bwd_fake)
 
 
