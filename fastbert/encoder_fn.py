@@ -83,8 +83,8 @@ def layer(ops, x, w: LayerWeights, cu_seqlens, max_seqlen: int, rows: Rows | Non
         return fp8_linear(h, weight, bias, history, first + 3 * index)
 
     # Post-LN: the layer's input feeds the QKV projection and the residual add, the attention block's output
-    # the FFN and the next residual add; the ops hand their input on for the residual (``residual=h``), so
-    # its gradient joins theirs inside a GEMM instead of an addition kernel.
+    # the FFN and the next residual add; those ops hand their input back as a second output for the residual,
+    # so its gradient joins theirs inside a GEMM instead of an addition kernel.
     def attention(h):  # -> (output, probs, h for the residual)
         tokens = h.shape[0]
         if w.fp8 is None:
