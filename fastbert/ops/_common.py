@@ -145,6 +145,15 @@ def autocast_dtype(device: torch.device):
     return None
 
 
+def autocast_inputs(*tensors):
+    """``tensors`` cast to the dtype ``torch.autocast`` runs matmuls in, as ``F.linear`` casts its inputs
+    (custom ops are opaque to autocast); unchanged outside autocast. None entries stay None."""
+    cast = autocast_dtype(next(t for t in tensors if t is not None).device)
+    if cast is None:
+        return tensors
+    return tuple(t.to(cast) if t is not None else None for t in tensors)
+
+
 # ----------------------------------------------------------------------------- checks
 def check_triton_device(*tensors):
     """Triton kernels need Triton, and CUDA tensors or the interpreter (TRITON_INTERPRET=1) for CPU ones."""

@@ -230,7 +230,8 @@ def eligible(*tensors, sizes=()) -> bool:
     for t in live:
         if t.dtype != live[0].dtype or t.numel() == 0 or t.data_ptr() % 16 or t.dim() not in (1, 2) or t.shape[-1] % 8:
             return False
-        if t.dim() == 2 and not (_stored(t) is not None and _stored(t)[1] % 8 == 0):
+        stored = _stored(t) if t.dim() == 2 else (False, 8)
+        if stored is None or stored[1] % 8:
             return False
     if any(s % 8 for s in sizes):
         return False

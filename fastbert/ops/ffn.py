@@ -35,7 +35,8 @@ import torch  # noqa: E402
 
 from fastbert.ops import cublaslt  # noqa: E402
 from fastbert.ops._common import (  # noqa: E402
-    autocast_dtype, check_triton_device, num_sms, register_op, tl, triton)
+    autocast_inputs, check_triton_device, num_sms, register_op, tl, triton)
+from fastbert.ops.linear import linear_grads  # noqa: E402
 
 @triton.jit
 def _tanh(u):
@@ -162,14 +163,9 @@ def gelu_bwd(dy, z, approximate, with_bias_grad=True):
 
 def linear_bias_gelu_bwd(dy, x, weight, bias, z, approximate):
     """``(dx, dweight, dbias)``; dbias is empty when ``bias`` is None."""
-    k = x.shape[-1]
-    n = weight.shape[0]
     dz, db = gelu_bwd(dy, z, approximate)
-    dz2 = dz.reshape(-1, n)  # (M, N)
-    dx = (dz2 @ weight).view(x.shape)  # (M, N) @ (N, K)
-    dw = dz2.t() @ x.reshape(-1, k)  # (N, M) @ (M, K)
-    db = db.to(bias.dtype) if bias is not None else weight.new_empty((0,))
-    return dx, dw, db
+    dx, dw = linear_grads(dz, x, weight)
+    return dx, dw, db.to(bias.dtype) if bias is not None else weight.new_empty((0,))
 
 
 def _fwd_fake(x, weight, bias, approximate, store_pre):
@@ -213,10 +209,7 @@ def linear_bias_gelu(x, weight, bias, approximate="none"):
     """Fused ``gelu(x @ weight.T + bias)``; same signature and semantics as :func:`linear_bias_gelu_ref`."""
     _check_approximate(approximate)
     check_triton_device(x, weight, bias)
-    cast = autocast_dtype(x.device)
-    if cast is not None:  # behave like F.linear under torch.autocast
-        x, weight = x.to(cast), weight.to(cast)
-        bias = bias.to(cast) if bias is not None else None
+    x, weight, bias = autocast_inputs(x, weight, bias)
     if x.shape[-1] != weight.shape[-1] or weight.dim() != 2:
         raise ValueError(f"linear_bias_gelu: x (..., {x.shape[-1]}) does not match weight {tuple(weight.shape)}")
     if bias is not None and bias.shape != (weight.shape[0],):
@@ -247,7 +240,6 @@ def ffn_bwd(dout, dres, x, w1, b1, w2, y, z, approximate):
     d(b1) is one reduction; otherwise that GEMM, then :func:`gelu_bwd` (which reduces d(b1) too).
     cuBLASLt's own d(bias) epilogue here runs as a separate 0.6 ms kernel on an H100, so it is not used."""
     d2 = dout.reshape(-1, w2.shape[0])  # (M, hidden)
-    x2 = x.reshape(-1, x.shape[-1])
     dw2 = d2.t() @ y                    # (hidden, M) @ (M, intermediate)
     dz = None
     if approximate == "tanh" and cublaslt.eligible(d2, w2, z):
@@ -255,13 +247,8 @@ def ffn_bwd(dout, dres, x, w1, b1, w2, y, z, approximate):
         db = dz.sum(0) if dz is not None and b1 is not None else None
     if dz is None:
         dz, db = gelu_bwd(d2 @ w2, z, approximate)
-    if dres is not None:                # (M, intermediate) @ (intermediate, hidden) [+ dres]
-        dx = cublaslt.addmm(dres.reshape(-1, x.shape[-1]), dz, w1).view(x.shape)
-    else:
-        dx = (dz @ w1).view(x.shape)
-    dw1 = dz.t() @ x2
-    db = db.to(b1.dtype) if b1 is not None else w1.new_empty((0,))
-    return dx, dw1, db, dw2
+    dx, dw1 = linear_grads(dz, x, w1, dres)
+    return dx, dw1, db.to(b1.dtype) if b1 is not None else w1.new_empty((0,)), dw2
 
 
 def _ffn_fwd_fake(x, w1, b1, w2, approximate, store_pre):
@@ -311,10 +298,7 @@ def ffn(x, w1, b1, w2, approximate="none", residual=False):
     _check_approximate(approximate)
     check_triton_device(x, w1, b1, w2)
     x_in = x
-    cast = autocast_dtype(x.device)
-    if cast is not None:  # behave like F.linear under torch.autocast
-        x, w1, w2 = x.to(cast), w1.to(cast), w2.to(cast)
-        b1 = b1.to(cast) if b1 is not None else None
+    x, w1, b1, w2 = autocast_inputs(x, w1, b1, w2)
     if w1.dim() != 2 or w2.dim() != 2 or x.shape[-1] != w1.shape[1] or w2.shape[1] != w1.shape[0]:
         raise ValueError(f"ffn: x (..., {x.shape[-1]}), w1 {tuple(w1.shape)} and w2 {tuple(w2.shape)} do not chain")
     if b1 is not None and b1.shape != (w1.shape[0],):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from fastbert.ops import cublaslt
-from fastbert.ops._common import autocast_dtype, register_op
+from fastbert.ops._common import autocast_dtype, autocast_inputs, register_op
 
 
 def linear_residual_ref(x, weight, bias=None):
@@ -21,14 +21,20 @@ def linear_residual_ref(x, weight, bias=None):
     return F.linear(x, weight, bias), x
 
 
-def linear_residual_bwd(dy, dres, x, weight, has_bias: bool):
-    """``(dx, dweight, dbias)`` for the output gradient ``dy`` and the residual's ``dres`` (or None);
-    dbias is empty without a bias."""
+def linear_grads(dy, x, weight, dres=None):
+    """``(dx, dweight)`` of ``x @ weight.T`` for the output gradient ``dy`` ``(..., out)``. ``dres``: a gradient
+    of x that arrived another way (the residual's), or None; it is added to dx inside dx's GEMM."""
     n, k = weight.shape
     d2, x2 = dy.reshape(-1, n), x.reshape(-1, k)  # (M, out), (M, in)
     dx = cublaslt.addmm(dres.reshape(-1, k), d2, weight) if dres is not None else d2 @ weight
-    db = d2.sum(0) if has_bias else weight.new_empty((0,))
-    return dx.view(x.shape), d2.t() @ x2, db
+    return dx.view(x.shape), d2.t() @ x2
+
+
+def linear_residual_bwd(dy, dres, x, weight, has_bias: bool):
+    """``(dx, dweight, dbias)`` for the output gradient ``dy`` and the residual's ``dres`` (or None);
+    dbias is empty without a bias."""
+    dx, dw = linear_grads(dy, x, weight, dres)
+    return dx, dw, dy.reshape(-1, weight.shape[0]).sum(0) if has_bias else weight.new_empty((0,))
 
 
 def _bwd_fake(dy, dres, x, weight, has_bias):
@@ -61,10 +67,9 @@ def linear_residual(x, weight, bias=None):
     inside its GEMM. Under autocast x must already be in the autocast dtype for that (a cast copy cannot
     stand in for x in the residual); otherwise the two gradients meet as usual."""
     cast = autocast_dtype(x.device)
-    if cast is not None:
-        if x.dtype != cast:
-            return F.linear(x, weight, bias), x
-        weight, bias = weight.to(cast), bias.to(cast) if bias is not None else None
+    if cast is not None and x.dtype != cast:
+        return F.linear(x, weight, bias), x
+    weight, bias = autocast_inputs(weight, bias)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))):
         return F.linear(x, weight, bias), x
     return LinearResidualFn.apply(x, weight, bias)
