@@ -77,8 +77,8 @@ def layer(ops, x, w: LayerWeights, cu_seqlens, max_seqlen: int, rows: Rows | Non
     hd = w.qkv_weight.shape[0] // (3 * nh)  # spelled out: a batch may have no tokens at all
 
     def linear(h, weight, bias, index):  # index: the linear's place in the layer (its FP8 history rows)
-        if w.fp8 is None:
-            return F.linear(h, weight, bias)
+        if w.fp8 is None:  # F.linear, its weight gradient written in the parameter's dtype (ops/linear.py)
+            return ops.linear_residual(h, weight, bias)[0]
         history, first = w.fp8
         return fp8_linear(h, weight, bias, history, first + 3 * index)
 
@@ -87,17 +87,20 @@ def layer(ops, x, w: LayerWeights, cu_seqlens, max_seqlen: int, rows: Rows | Non
     # so its gradient joins theirs inside a GEMM instead of an addition kernel.
     def attention(h):  # -> (output, probs, h for the residual)
         tokens = h.shape[0]
-        if w.fp8 is None:
-            qkv, h = ops.linear_residual(h, w.qkv_weight, w.qkv_bias)
+        bias = None
+        if w.fp8 is None:  # the QKV bias is added inside attention, which sums its gradient in its backward
+            qkv, h = ops.linear_residual(h, w.qkv_weight, None)
+            bias = w.qkv_bias.view(3, nh, hd) if w.qkv_bias is not None else None
         else:
             qkv = linear(h, w.qkv_weight, w.qkv_bias, 0)
         qkv = qkv.view(tokens, 3, nh, hd)  # (T, 3, nh, hd)
         p = dropout.attention
         ctx = with_padding_rows(
-            lambda t: ops.attention_qkvpacked(t, cu_seqlens, max_seqlen, dropout_p=p, softmax_scale=softmax_scale),
-            qkv, rows, softmax_scale, p)  # (T, nh, hd)
-        probs = (attention_maps_or_packed(qkv, rows, cu_seqlens, max_seqlen, softmax_scale)
-                 if output_attentions else None)
+            lambda t: ops.attention_qkvpacked(t, cu_seqlens, max_seqlen, dropout_p=p, softmax_scale=softmax_scale,
+                                              bias=bias),
+            qkv, rows, softmax_scale, p, bias)  # (T, nh, hd)
+        probs = (attention_maps_or_packed(qkv if bias is None else qkv + bias, rows, cu_seqlens, max_seqlen,
+                                          softmax_scale) if output_attentions else None)
         out = linear(ctx.reshape(tokens, nh * hd), w.attention_out_weight, None, 1)  # bias: in add + norm
         return out, probs, h
 

@@ -35,8 +35,8 @@ import torch  # noqa: E402
 
 from fastbert.ops import cublaslt  # noqa: E402
 from fastbert.ops._common import (  # noqa: E402
-    autocast_inputs, check_triton_device, num_sms, register_op, tl, triton)
-from fastbert.ops.linear import linear_grads  # noqa: E402
+    autocast_dtype, autocast_inputs, check_triton_device, num_sms, register_op, tl, triton)
+from fastbert.ops.linear import bias_grad, linear_grads, wgrad  # noqa: E402
 
 @triton.jit
 def _tanh(u):
@@ -161,11 +161,12 @@ def gelu_bwd(dy, z, approximate, with_bias_grad=True):
     return dz.view(z.shape), db_part.sum(0)
 
 
-def linear_bias_gelu_bwd(dy, x, weight, bias, z, approximate):
-    """``(dx, dweight, dbias)``; dbias is empty when ``bias`` is None."""
+def linear_bias_gelu_bwd(dy, x, weight, bias, z, approximate, wdtype):
+    """``(dx, dweight, dbias)``, dweight and dbias in ``wdtype`` (the parameters', ``linear.py``); dbias is
+    empty when ``bias`` is None."""
     dz, db = gelu_bwd(dy, z, approximate)
-    dx, dw = linear_grads(dz, x, weight)
-    return dx, dw, db.to(bias.dtype) if bias is not None else weight.new_empty((0,))
+    dx, dw = linear_grads(dz, x, weight, wdtype=wdtype)
+    return dx, dw, db.to(wdtype) if bias is not None else weight.new_empty((0,), dtype=wdtype)
 
 
 def _fwd_fake(x, weight, bias, approximate, store_pre):
@@ -174,9 +175,9 @@ def _fwd_fake(x, weight, bias, approximate, store_pre):
     return y, x.new_empty(out_shape) if store_pre else x.new_empty((0,))
 
 
-def _bwd_fake(dy, x, weight, bias, z, approximate):
-    db = torch.empty_like(bias) if bias is not None else weight.new_empty((0,))
-    return torch.empty_like(x), torch.empty_like(weight), db
+def _bwd_fake(dy, x, weight, bias, z, approximate, wdtype):
+    db = weight.new_empty((weight.shape[0] if bias is not None else 0,), dtype=wdtype)
+    return torch.empty_like(x), torch.empty_like(weight, dtype=wdtype), db
 
 
 _fwd_op = register_op(
@@ -185,41 +186,54 @@ _fwd_op = register_op(
     linear_bias_gelu_fwd, _fwd_fake)
 _bwd_op = register_op(
     "linear_bias_gelu_bwd",
-    "(Tensor dy, Tensor x, Tensor weight, Tensor? bias, Tensor z, str approximate) -> (Tensor, Tensor, Tensor)",
+    "(Tensor dy, Tensor x, Tensor weight, Tensor? bias, Tensor z, str approximate, ScalarType wdtype) "
+    "-> (Tensor, Tensor, Tensor)",
     linear_bias_gelu_bwd, _bwd_fake)
 
 
 # ============================================================================= autograd + entry point
 class LinearBiasGeluFn(torch.autograd.Function):
+    """Takes the parameters themselves (fp32 masters under autocast), cast inside (``linear.py``)."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, approximate, store_pre):
-        y, z = _fwd_op(x, weight, bias, approximate, store_pre)
-        ctx.save_for_backward(x, weight, bias, z)
-        ctx.approximate = approximate
+        w, b = autocast_inputs(weight, bias)
+        y, z = _fwd_op(x, w, b, approximate, store_pre)
+        ctx.save_for_backward(x, w, b, z)
+        ctx.approximate, ctx.wdtype = approximate, weight.dtype
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, bias, z = ctx.saved_tensors
-        dx, dw, db = _bwd_op(dy.contiguous(), x, weight, bias, z, ctx.approximate)
+        dx, dw, db = _bwd_op(dy.contiguous(), x, weight, bias, z, ctx.approximate, ctx.wdtype)
         return dx, dw, db if bias is not None else None, None, None
+
+
+def _compute_dtype(x, *weights):
+    """x cast as autocast casts a matmul's input, and the dtype the weights will have inside the op: the
+    autocast dtype, else their own (which must all be x's)."""
+    cast = autocast_dtype(x.device)
+    if cast is not None:
+        return x.to(cast), cast
+    return x, weights[0].dtype if all(w.dtype == weights[0].dtype for w in weights) else None
 
 
 def linear_bias_gelu(x, weight, bias, approximate="none"):
     """Fused ``gelu(x @ weight.T + bias)``; same signature and semantics as :func:`linear_bias_gelu_ref`."""
     _check_approximate(approximate)
     check_triton_device(x, weight, bias)
-    x, weight, bias = autocast_inputs(x, weight, bias)
+    x, wdtype = _compute_dtype(x, weight)
     if x.shape[-1] != weight.shape[-1] or weight.dim() != 2:
         raise ValueError(f"linear_bias_gelu: x (..., {x.shape[-1]}) does not match weight {tuple(weight.shape)}")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"linear_bias_gelu: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-    if x.dtype != weight.dtype:
+    if x.dtype != wdtype:
         raise TypeError(f"linear_bias_gelu: x is {x.dtype} but weight is {weight.dtype}; cast one (or use autocast "
                         "outside the op)")
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     if not needs_grad:
-        return _fwd_op(x, weight, bias, approximate, False)[0]
+        return _fwd_op(x, *autocast_inputs(weight, bias), approximate, False)[0]
     return LinearBiasGeluFn.apply(x, weight, bias, approximate, True)
 
 
@@ -233,22 +247,23 @@ def ffn_fwd(x, w1, b1, w2, approximate, store_pre):
     return (out, y2, z.reshape(y2.shape)) if store_pre else (out, y.new_empty((0,)), z)
 
 
-def ffn_bwd(dout, dres, x, w1, b1, w2, y, z, approximate):
-    """``(dx, dw1, db1, dw2)``; db1 is empty when ``b1`` is None. ``dres``: the gradient that reached x
+def ffn_bwd(dout, dres, x, w1, b1, w2, y, z, approximate, wdtype):
+    """``(dx, dw1, db1, dw2)``, the parameters' in ``wdtype`` (``linear.py``); db1 is empty when ``b1`` is None.
+    ``dres``: the gradient that reached x
     through the residual connection (or None), added to dx inside its GEMM. With the tanh GELU on eligible operands
     the down-projection's input-gradient GEMM applies GELU's derivative in its epilogue (cuBLASLt) and
     d(b1) is one reduction; otherwise that GEMM, then :func:`gelu_bwd` (which reduces d(b1) too).
     cuBLASLt's own d(bias) epilogue here runs as a separate 0.6 ms kernel on an H100, so it is not used."""
     d2 = dout.reshape(-1, w2.shape[0])  # (M, hidden)
-    dw2 = d2.t() @ y                    # (hidden, M) @ (M, intermediate)
+    dw2 = wgrad(d2, y, wdtype)          # (hidden, M) @ (M, intermediate)
     dz = None
     if approximate == "tanh" and cublaslt.eligible(d2, w2, z):
         dz = cublaslt.gemm(d2, w2, "dgelu", aux=z)
-        db = dz.sum(0) if dz is not None and b1 is not None else None
+        db = bias_grad(dz, wdtype) if dz is not None and b1 is not None else None
     if dz is None:
         dz, db = gelu_bwd(d2 @ w2, z, approximate)
-    dx, dw1 = linear_grads(dz, x, w1, dres)
-    return dx, dw1, db.to(b1.dtype) if b1 is not None else w1.new_empty((0,)), dw2
+    dx, dw1 = linear_grads(dz, x, w1, dres, wdtype)
+    return dx, dw1, db.to(wdtype) if b1 is not None else w1.new_empty((0,), dtype=wdtype), dw2
 
 
 def _ffn_fwd_fake(x, w1, b1, w2, approximate, store_pre):
@@ -257,9 +272,9 @@ def _ffn_fwd_fake(x, w1, b1, w2, approximate, store_pre):
     return out, inner, torch.empty_like(inner)
 
 
-def _ffn_bwd_fake(dout, dres, x, w1, b1, w2, y, z, approximate):
-    db = torch.empty_like(b1) if b1 is not None else w1.new_empty((0,))
-    return torch.empty_like(x), torch.empty_like(w1), db, torch.empty_like(w2)
+def _ffn_bwd_fake(dout, dres, x, w1, b1, w2, y, z, approximate, wdtype):
+    db = w1.new_empty((w1.shape[0] if b1 is not None else 0,), dtype=wdtype)
+    return torch.empty_like(x), torch.empty_like(w1, dtype=wdtype), db, torch.empty_like(w2, dtype=wdtype)
 
 
 _ffn_fwd_op = register_op(
@@ -268,26 +283,28 @@ _ffn_fwd_op = register_op(
     ffn_fwd, _ffn_fwd_fake)
 _ffn_bwd_op = register_op(
     "ffn_bwd", "(Tensor dout, Tensor? dres, Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor y, Tensor z, "
-    "str approximate) -> (Tensor, Tensor, Tensor, Tensor)", ffn_bwd, _ffn_bwd_fake)
+    "str approximate, ScalarType wdtype) -> (Tensor, Tensor, Tensor, Tensor)", ffn_bwd, _ffn_bwd_fake)
 
 
 class FfnFn(torch.autograd.Function):
     """Returns the FFN's output and x itself: a gradient reaching x through that second output (the
     residual connection's) is added to dx inside the last GEMM of the backward, not by autograd's
-    own addition kernel (one pass over a (tokens, hidden) tensor less per layer)."""
+    own addition kernel (one pass over a (tokens, hidden) tensor less per layer). Takes the parameters
+    themselves (fp32 masters under autocast), cast inside (``linear.py``)."""
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, approximate):
-        out, y, z = _ffn_fwd_op(x, w1, b1, w2, approximate, True)
-        ctx.save_for_backward(x, w1, b1, w2, y, z)
-        ctx.approximate = approximate
+        w1c, b1c, w2c = autocast_inputs(w1, b1, w2)
+        out, y, z = _ffn_fwd_op(x, w1c, b1c, w2c, approximate, True)
+        ctx.save_for_backward(x, w1c, b1c, w2c, y, z)
+        ctx.approximate, ctx.wdtype = approximate, w1.dtype
         return out, x
 
     @staticmethod
     def backward(ctx, dout, dres):
         x, w1, b1, w2, y, z = ctx.saved_tensors
         dres = dres.contiguous() if dres is not None else None
-        dx, dw1, db1, dw2 = _ffn_bwd_op(dout.contiguous(), dres, x, w1, b1, w2, y, z, ctx.approximate)
+        dx, dw1, db1, dw2 = _ffn_bwd_op(dout.contiguous(), dres, x, w1, b1, w2, y, z, ctx.approximate, ctx.wdtype)
         return dx, dw1, db1 if b1 is not None else None, dw2, None
 
 
@@ -298,16 +315,16 @@ def ffn(x, w1, b1, w2, approximate="none", residual=False):
     _check_approximate(approximate)
     check_triton_device(x, w1, b1, w2)
     x_in = x
-    x, w1, b1, w2 = autocast_inputs(x, w1, b1, w2)
+    x, wdtype = _compute_dtype(x, w1, w2)
     if w1.dim() != 2 or w2.dim() != 2 or x.shape[-1] != w1.shape[1] or w2.shape[1] != w1.shape[0]:
         raise ValueError(f"ffn: x (..., {x.shape[-1]}), w1 {tuple(w1.shape)} and w2 {tuple(w2.shape)} do not chain")
     if b1 is not None and b1.shape != (w1.shape[0],):
         raise ValueError(f"ffn: b1 must have shape ({w1.shape[0]},), got {tuple(b1.shape)}")
-    if not (x.dtype == w1.dtype == w2.dtype):
+    if x.dtype != wdtype:
         raise TypeError(f"ffn: x, w1, w2 are {x.dtype}, {w1.dtype}, {w2.dtype}; cast them alike (or use autocast)")
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w1, b1, w2))
     if not needs_grad:
-        out = _ffn_fwd_op(x, w1, b1, w2, approximate, False)[0]
+        out = _ffn_fwd_op(x, *autocast_inputs(w1, b1, w2), approximate, False)[0]
         return (out, x_in) if residual else out
     out, passed = FfnFn.apply(x, w1, b1, w2, approximate)
     if not residual:

@@ -6,6 +6,12 @@ more pass over a ``(tokens, hidden)`` tensor. Here the residual connection takes
 output, and the backward adds the gradient arriving there inside the input-gradient GEMM
 (``cublaslt.addmm``: beta = 1, the added matrix read by the GEMM). Otherwise it is ``F.linear``: the same
 GEMMs, the same bias reduction.
+
+Master weights (fp32 parameters under 16-bit autocast): the fused ops here and in ``ffn.py`` take the
+parameters themselves and cast them inside, so autograd records no cast, and :func:`wgrad` writes each
+weight gradient in the parameter's dtype straight from the GEMM's fp32 accumulator (``torch.mm``'s
+``out_dtype`` on CUDA). Autocast's way rounds it to 16 bits and then casts it back up to fp32 in a
+kernel of its own, one more pass over every weight gradient of the step.
 """
 from __future__ import annotations
 
@@ -21,44 +27,70 @@ def linear_residual_ref(x, weight, bias=None):
     return F.linear(x, weight, bias), x
 
 
-def linear_grads(dy, x, weight, dres=None):
+# torch >= 2.8: mm with out_dtype (CUDA, 16-bit inputs to fp32)
+_MM_OUT_DTYPE = hasattr(getattr(torch.ops.aten, "mm", None), "dtype")
+
+
+def wgrad(dy2, x2, dtype):
+    """The weight gradient ``dy2ᵀ @ x2`` ``(out, in)`` in ``dtype``, the parameter's own: a 16-bit GEMM's fp32
+    accumulator written straight out as fp32 on CUDA, else rounded and cast."""
+    if dtype == dy2.dtype:
+        return dy2.t() @ x2
+    if dtype == torch.float32 and dy2.is_cuda and _MM_OUT_DTYPE and dy2.dtype in (torch.float16, torch.bfloat16):
+        return torch.mm(dy2.t(), x2, out_dtype=dtype)
+    return (dy2.t() @ x2).to(dtype)
+
+
+def linear_grads(dy, x, weight, dres=None, wdtype=None):
     """``(dx, dweight)`` of ``x @ weight.T`` for the output gradient ``dy`` ``(..., out)``. ``dres``: a gradient
-    of x that arrived another way (the residual's), or None; it is added to dx inside dx's GEMM."""
+    of x that arrived another way (the residual's), or None; it is added to dx inside dx's GEMM. ``wdtype``:
+    dweight's dtype (the master weight's; None: weight's)."""
     n, k = weight.shape
     d2, x2 = dy.reshape(-1, n), x.reshape(-1, k)  # (M, out), (M, in)
     dx = cublaslt.addmm(dres.reshape(-1, k), d2, weight) if dres is not None else d2 @ weight
-    return dx.view(x.shape), d2.t() @ x2
+    return dx.view(x.shape), wgrad(d2, x2, wdtype or weight.dtype)
 
 
-def linear_residual_bwd(dy, dres, x, weight, has_bias: bool):
-    """``(dx, dweight, dbias)`` for the output gradient ``dy`` and the residual's ``dres`` (or None);
-    dbias is empty without a bias."""
-    dx, dw = linear_grads(dy, x, weight, dres)
-    return dx, dw, dy.reshape(-1, weight.shape[0]).sum(0) if has_bias else weight.new_empty((0,))
+def bias_grad(dy2, dtype):
+    """The bias gradient: ``dy2``'s column sums, accumulated and returned in ``dtype`` (the bias's own)."""
+    return dy2.sum(0, dtype=dtype) if dtype != dy2.dtype else dy2.sum(0)
 
 
-def _bwd_fake(dy, dres, x, weight, has_bias):
-    return torch.empty_like(x), torch.empty_like(weight), weight.new_empty((weight.shape[0] if has_bias else 0,))
+def linear_residual_bwd(dy, dres, x, weight, has_bias: bool, wdtype: torch.dtype):
+    """``(dx, dweight, dbias)`` for the output gradient ``dy`` and the residual's ``dres`` (or None); dweight
+    and dbias in ``wdtype`` (the parameters'); dbias is empty without a bias."""
+    dx, dw = linear_grads(dy, x, weight, dres, wdtype)
+    db = bias_grad(dy.reshape(-1, weight.shape[0]), wdtype) if has_bias else weight.new_empty((0,), dtype=wdtype)
+    return dx, dw, db
+
+
+def _bwd_fake(dy, dres, x, weight, has_bias, wdtype):
+    return (torch.empty_like(x), torch.empty_like(weight, dtype=wdtype),
+            weight.new_empty((weight.shape[0] if has_bias else 0,), dtype=wdtype))
 
 
 _bwd_op = register_op(
     "linear_residual_bwd",
-    "(Tensor dy, Tensor? dres, Tensor x, Tensor weight, bool has_bias) -> (Tensor, Tensor, Tensor)",
+    "(Tensor dy, Tensor? dres, Tensor x, Tensor weight, bool has_bias, ScalarType wdtype) -> (Tensor, Tensor, Tensor)",
     linear_residual_bwd, _bwd_fake)
 
 
 class LinearResidualFn(torch.autograd.Function):
+    """Takes the parameters themselves (fp32 masters under autocast) and casts them inside (see the module's
+    docstring)."""
+
     @staticmethod
     def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(x, weight, bias), x
+        w, b = autocast_inputs(weight, bias)
+        ctx.save_for_backward(x, w)
+        ctx.has_bias, ctx.wdtype = bias is not None, weight.dtype
+        return F.linear(x, w, b), x
 
     @staticmethod
     def backward(ctx, dy, dres):
         x, weight = ctx.saved_tensors
         dres = dres.contiguous() if dres is not None else None
-        dx, dw, db = _bwd_op(dy.contiguous(), dres, x, weight, ctx.has_bias)
+        dx, dw, db = _bwd_op(dy.contiguous(), dres, x, weight, ctx.has_bias, ctx.wdtype)
         return dx, dw, db if ctx.has_bias else None
 
 
@@ -69,7 +101,6 @@ def linear_residual(x, weight, bias=None):
     cast = autocast_dtype(x.device)
     if cast is not None and x.dtype != cast:
         return F.linear(x, weight, bias), x
-    weight, bias = autocast_inputs(weight, bias)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))):
         return F.linear(x, weight, bias), x
     return LinearResidualFn.apply(x, weight, bias)

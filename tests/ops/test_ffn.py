@@ -176,3 +176,54 @@ def test_gpu_ffn_bert_shapes(m, h, i, dtype, approximate):
     if approximate == "tanh":  # the GELU and its derivative ran inside cuBLASLt's GEMMs, not beside them
         ran = {key[3] for key, entry in cublaslt._lt().problems.items() if entry is not None}
         assert {"gelu_aux_bias", "gelu_aux", "dgelu"} <= ran, ran
+
+
+def ffn_master_grads(fn, x, w1, b1, w2, dtype, approximate, device_type):
+    """fp32 parameters under ``dtype`` autocast (x enters cast, as a layer's input does)."""
+    leaves = [t.detach().float().requires_grad_() for t in (x, w1, b1, w2)]
+    with torch.autocast(device_type, dtype=dtype):
+        out = fn(leaves[0].to(dtype), *leaves[1:], approximate=approximate)
+    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.device)
+    return (out, *torch.autograd.grad((out.float() * dy).sum(), leaves, allow_unused=True))
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_ffn_master_weights_get_their_gradients_in_their_dtype(approximate):
+    """fp32 parameters under 16-bit autocast: ffn and linear_bias_gelu cast them inside and return fp32
+    gradients (no cast recorded by autograd), within 16-bit error of autocast's own (the reference's)."""
+    g = torch.Generator().manual_seed(1)
+    x, w1, b1, w2 = (torch.randn(*s, generator=g).to(DEVICE) / 4 for s in ((21, 16), (40, 16), (40,), (16, 40)))
+    got = ffn_master_grads(ffn, x, w1, b1, w2, torch.float16, approximate, DEVICE)
+    want = ffn_master_grads(ffn_ref, x, w1, b1, w2, torch.float16, approximate, DEVICE)
+    assert [t.dtype for t in got] == [torch.float16] + [torch.float32] * 4
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a.float(), e.float(), rtol=2e-3, atol=2e-3)
+    got = ffn_master_grads(lambda *t, approximate: linear_bias_gelu(*t[:3], approximate), x, w1, b1, w2,
+                           torch.float16, approximate, DEVICE)
+    assert [t.dtype for t in got[2:4]] == [torch.float32] * 2
+
+
+def test_backward_ops_schema():
+    g = torch.Generator().manual_seed(2)
+    x, w1, b1, w2, dy = (torch.randn(*s, generator=g) for s in ((7, 16), (24, 16), (24,), (16, 24), (7, 16)))
+    z = x @ w1.t() + b1
+    y = torch.nn.functional.gelu(z)
+    for wdtype in (torch.float32, torch.float64):
+        torch.library.opcheck(torch.ops.fastbert.ffn_bwd.default, (dy, dy, x, w1, b1, w2, y, z, "none", wdtype))
+        torch.library.opcheck(torch.ops.fastbert.linear_bias_gelu_bwd.default,
+                              (y, x, w1, b1, z, "tanh", wdtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gpu_ffn_master_weights(approximate):
+    """bf16 autocast over fp32 parameters at a BERT shape: fp32 gradients within bf16 error of autocast's."""
+    g = torch.Generator().manual_seed(3)
+    x, w1, b1, w2 = (torch.randn(*s, generator=g).cuda() / 8 for s in ((4096, 1024), (4096, 1024), (4096,),
+                                                                       (1024, 4096)))
+    got = ffn_master_grads(ffn, x, w1, b1, w2, torch.bfloat16, approximate, "cuda")
+    want = ffn_master_grads(ffn_ref, x, w1, b1, w2, torch.bfloat16, approximate, "cuda")
+    assert [t.dtype for t in got[2:]] == [torch.float32] * 3
+    for name, a, e in zip(("out", "dx", "dw1", "db1", "dw2"), got, want):
+        scale = e.float().abs().max()
+        assert (a.float() - e.float()).abs().max() <= 2e-2 * scale, name

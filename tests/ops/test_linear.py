@@ -40,8 +40,9 @@ def test_matches_reference(use_residual, has_bias):
 
 def test_backward_op_and_compile():
     x, w, b, dy, dres = make(9, 16, 24, torch.float32)
-    torch.library.opcheck(torch.ops.fastbert.linear_residual_bwd.default, (dy, dres, x, w, True))
-    dx, dw, db = linear_residual_bwd(dy, None, x, w, False)
+    for wdtype in (torch.float32, torch.float64):
+        torch.library.opcheck(torch.ops.fastbert.linear_residual_bwd.default, (dy, dres, x, w, True, wdtype))
+    dx, dw, db = linear_residual_bwd(dy, None, x, w, False, torch.float32)
     assert db.numel() == 0
     torch.testing.assert_close(dx, dy @ w)
 
@@ -58,6 +59,47 @@ def test_cast_copy_never_stands_in_for_x():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y, passed = linear_residual(x.requires_grad_(), w, b)
     assert passed is x and y.dtype == torch.bfloat16
+
+
+def master_weight_grads(fn, x, w, b, dy, dres, device_type, dtype):
+    """Gradients of fp32 parameters (x too) through ``fn`` under ``dtype`` autocast; x enters as autocast's
+    cast of it, as a layer's input does."""
+    leaves = [t.detach().float().requires_grad_() for t in (x, w, b)]
+    with torch.autocast(device_type, dtype=dtype):
+        y, passed = fn(leaves[0].to(dtype), *leaves[1:])
+    loss = (y.float() * dy.float()).sum() + (passed.float() * dres.float()).sum()
+    return (y, *torch.autograd.grad(loss, leaves))
+
+
+def test_master_weights_get_their_gradients_in_their_dtype():
+    """fp32 parameters under bf16 autocast: the op casts them inside and hands back fp32 gradients, equal to
+    autocast's (a bf16 GEMM, rounded, cast up: what the CPU runs too)."""
+    x, w, b, dy, dres = make(24, 16, 40, torch.float32)
+    got = master_weight_grads(linear_residual, x, w, b, dy, dres, "cpu", torch.bfloat16)
+    want = master_weight_grads(linear_residual_ref, x, w, b, dy, dres, "cpu", torch.bfloat16)
+    assert [g.dtype for g in got] == [torch.bfloat16] + [torch.float32] * 3
+    torch.testing.assert_close(got[2], want[2], rtol=0, atol=0)  # dweight: the same GEMM and rounding
+    # dbias: summed into fp32 here, rounded to bf16 by autocast's sum; out; dx: the residual's gradient added
+    # inside the GEMM, before its rounding: each within a bf16 rounding or two
+    for a, e in zip((got[3], *got[:2]), (want[3], *want[:2])):
+        torch.testing.assert_close(a.float(), e.float(), rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_master_weight_gradients_are_the_fp32_accumulator():
+    """On CUDA the weight gradient is the GEMM's fp32 accumulator written out: closer to fp64 than autocast's
+    (rounded to bf16 first), and never farther than a bf16 rounding."""
+    x, w, b, dy, dres = make(4096, 1024, 3072, torch.float32, "cuda")
+    got = master_weight_grads(linear_residual, x, w, b, dy, dres, "cuda", torch.bfloat16)
+    amp = master_weight_grads(linear_residual_ref, x, w, b, dy, dres, "cuda", torch.bfloat16)
+    leaves = [t.double().requires_grad_() for t in (x.bfloat16().float(), w, b)]
+    y, passed = linear_residual_ref(*leaves)
+    ref = torch.autograd.grad((y * dy.double()).sum() + (passed * dres.double()).sum(), leaves)
+    for name, a, s, r in zip(("dweight", "dbias"), got[2:], amp[2:], ref[1:]):
+        assert a.dtype == torch.float32, name
+        err, amp_err = (a.double() - r).abs().max(), (s.double() - r).abs().max()
+        assert err <= amp_err * 1.01 + 1e-6, (name, float(err), float(amp_err))
+    assert (got[2].double() - ref[1]).abs().max() < 0.5 * (amp[2].double() - ref[1]).abs().max()
 
 
 @pytest.mark.gpu
