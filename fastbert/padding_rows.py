@@ -110,17 +110,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows, softma
 
 
 def with_padding_rows(real_attention, qkv: torch.Tensor, rows: Rows | None, softmax_scale: float,
-                      dropout_p: float = 0.0, bias: torch.Tensor | None = None) -> torch.Tensor:
+                      dropout_p: float = 0.0) -> torch.Tensor:
     """Attention context ``(T + E, nh, hd)`` of ``qkv`` ``(T + E, 3, nh, hd)`` (real tokens, then padding
-    rows): ``real_attention(qkv[:T])`` (the varlen kernel) for the real tokens, :func:`attend` for the rest.
-    ``bias`` ``(3, nh, hd)``: one ``real_attention`` adds itself; added here for the rest."""
+    rows): ``real_attention(qkv[:T])`` (the varlen kernel) for the real tokens, :func:`attend` for the rest."""
     if rows is None or not rows.num_extra:
         return real_attention(qkv)
     T = qkv.shape[0] - rows.num_extra
     ctx = real_attention(qkv[:T])
     q, k, v = qkv[T:, 0], qkv[:T, 1], qkv[:T, 2]
-    if bias is not None:
-        q, k, v = q + bias[0], k + bias[1], v + bias[2]
     return torch.cat([ctx, attend(q, k, v, rows, softmax_scale, dropout_p)])
 
 

@@ -74,19 +74,6 @@ def _load_rows(P, start64, head, stride_t, stride_h, offs, offs_d, mask):
 
 
 @triton.jit
-def _load_biased(P, B, start64, head, stride_t, stride_h, offs, offs_d, mask, mask_d, HEAD_DIM: tl.constexpr,
-                 HAS_BIAS: tl.constexpr):
-    """:func:`_load_rows` plus the head's slice of the bias ``B`` ``(nh, hd)`` (added in fp32, rounded back to
-    the tensor's dtype: the QKV projection's bias, applied here so that its gradient is summed here too).
-    Rows past the sequence get the bias too: every kernel masks those rows' scores and probabilities."""
-    x = _load_rows(P, start64, head, stride_t, stride_h, offs, offs_d, mask)
-    if HAS_BIAS:
-        b = tl.load(B + head * HEAD_DIM + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        x = (x.to(tl.float32) + b[None, :]).to(x.dtype)
-    return x
-
-
-@triton.jit
 def _store_bias_grad(DB, part, which, nheads, head, offs_d, mask_d, col_sums, HEAD_DIM: tl.constexpr):
     """One program's column sums of dq / dk / dv (``which`` 0 / 1 / 2) into row ``part`` of the bias-gradient
     partials ``(parts, 3, nh, hd)`` fp32."""
@@ -102,14 +89,13 @@ def _attention_keep(SEED, stream, row0, col0, ROWS: tl.constexpr, COLS: tl.const
 
 @triton.jit(do_not_specialize=["max_seqlen", "threshold"])
 def _fwd_kernel(
-    Q, K, V, O, LSE, CU_SEQLENS, BQ, BK, BV,
+    Q, K, V, O, LSE, CU_SEQLENS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_lse_h, nheads, qk_scale, threshold, keep_scale, SEED, max_seqlen,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One program = one block of BLOCK_M queries of one (sequence, head); grid (q-block, seq, head).
-    HAS_BIAS: BQ, BK, BV ``(nh, hd)`` are added to q, k, v as they load."""
+    """One program = one block of BLOCK_M queries of one (sequence, head); grid (q-block, seq, head)."""
     pid_m = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
@@ -124,8 +110,10 @@ def _fwd_kernel(
     mask_m = offs_m < seqlen
     mask_d = offs_d < HEAD_DIM
 
-    q = _load_biased(Q, BQ, start64, head, stride_qt, stride_qh, offs_m, offs_d, mask_m[:, None] & mask_d[None, :],
-                     mask_d, HEAD_DIM, HAS_BIAS)
+    q_ptrs = Q + start64 * stride_qt + head * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    k_base = K + start64 * stride_kt + head * stride_kh
+    v_base = V + start64 * stride_vt + head * stride_vh
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -134,9 +122,10 @@ def _fwd_kernel(
     for start_n in range(0, seqlen, BLOCK_N):
         cols = start_n + offs_n
         mask_n = cols < seqlen
-        mask_nd = mask_n[:, None] & mask_d[None, :]
-        k = _load_biased(K, BK, start64, head, stride_kt, stride_kh, cols, offs_d, mask_nd, mask_d, HEAD_DIM, HAS_BIAS)
-        v = _load_biased(V, BV, start64, head, stride_vt, stride_vh, cols, offs_d, mask_nd, mask_d, HEAD_DIM, HAS_BIAS)
+        k = tl.load(k_base + cols[:, None] * stride_kt + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         # Key 0 is always valid, so m_new is finite from the first block on: no inf - inf.
@@ -162,12 +151,12 @@ def _fwd_kernel(
 
 @triton.jit(do_not_specialize=["max_seqlen", "threshold"])
 def _bwd_dkdv_kernel(
-    Q, K, V, O, DO, LSE, DELTA, DQ, DK, DV, CU_SEQLENS, BQ, BK, BV, DB,
+    Q, K, V, O, DO, LSE, DELTA, DQ, DK, DV, CU_SEQLENS, DB,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_ot, stride_oh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     stride_lse_h, nheads, qk_scale, softmax_scale, threshold, keep_scale, SEED, max_seqlen, min_len,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED_DQ: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED_DQ: tl.constexpr, BIAS_GRAD: tl.constexpr,
 ):
     """One program = one block of BLOCK_N keys of one (sequence, head), looping over its queries in blocks
     of BLOCK_M. The scores are computed key-major (S^T = K Q^T), so P^T and dS^T feed the dV and dK GEMMs
@@ -179,8 +168,8 @@ def _bwd_dkdv_kernel(
     raised illegal memory accesses on the H100 with Triton 3.6) and computes delta = rowsum(O * dO) from O;
     one launch, no atomics, K and V read once. Otherwise DELTA comes from the dQ kernel, which ran first.
 
-    HAS_BIAS: q, k, v get BQ, BK, BV as they load (as in the forward), and the program's column sums of dk
-    and dv (and with FUSED_DQ of dq) go to its row of the bias-gradient partials DB (no atomics).
+    BIAS_GRAD: the program's column sums of dk and dv (and with FUSED_DQ of dq) go to its row of the
+    bias-gradient partials DB (no atomics).
     """
     pid_n = tl.program_id(0)
     seq = tl.program_id(1)
@@ -200,19 +189,20 @@ def _bwd_dkdv_kernel(
     mask_d = offs_d < HEAD_DIM
     mask_nd = mask_n[:, None] & mask_d[None, :]
 
-    k = _load_biased(K, BK, start64, head, stride_kt, stride_kh, offs_n, offs_d, mask_nd, mask_d, HEAD_DIM, HAS_BIAS)
-    v = _load_biased(V, BV, start64, head, stride_vt, stride_vh, offs_n, offs_d, mask_nd, mask_d, HEAD_DIM, HAS_BIAS)
-    dq_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
+    k = _load_rows(K, start64, head, stride_kt, stride_kh, offs_n, offs_d, mask_nd)
+    v = _load_rows(V, start64, head, stride_vt, stride_vh, offs_n, offs_d, mask_nd)
     lse_base = LSE + head * stride_lse_h + start
     delta_base = DELTA + head * stride_lse_h + start
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    if BIAS_GRAD and FUSED_DQ:
+        dq_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
     stream = seq * nheads + head
     for start_m in range(0, seqlen, BLOCK_M):
         rows = start_m + offs_m
         mask_m = rows < seqlen
         mask_md = mask_m[:, None] & mask_d[None, :]
-        q = _load_biased(Q, BQ, start64, head, stride_qt, stride_qh, rows, offs_d, mask_md, mask_d, HEAD_DIM, HAS_BIAS)
+        q = _load_rows(Q, start64, head, stride_qt, stride_qh, rows, offs_d, mask_md)
         do = _load_rows(DO, start64, head, stride_dot, stride_doh, rows, offs_d, mask_md)
         lse = tl.load(lse_base + rows, mask=mask_m, other=0.0)
         if FUSED_DQ:
@@ -238,7 +228,7 @@ def _bwd_dkdv_kernel(
             dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION) * softmax_scale  # (BLOCK_M, BLOCK_D)
             tl.store(DQ + start64 * stride_dqt + head * stride_dqh + rows[:, None] * stride_dqt + offs_d[None, :],
                      dq.to(DQ.dtype.element_ty), mask=mask_md)
-            if HAS_BIAS:
+            if BIAS_GRAD:
                 dq_sum += tl.sum(dq, 0)
 
     dk = dk * softmax_scale
@@ -246,7 +236,7 @@ def _bwd_dkdv_kernel(
              dk.to(DK.dtype.element_ty), mask=mask_nd)
     tl.store(DV + start64 * stride_dvt + head * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :],
              dv.to(DV.dtype.element_ty), mask=mask_nd)
-    if HAS_BIAS:  # rows of keys past the sequence are 0 in dk and dv, columns of queries past it in dq
+    if BIAS_GRAD:  # rows of keys past the sequence are 0 in dk and dv, rows of queries past it in dq
         part = pid_n * tl.num_programs(1) + seq
         _store_bias_grad(DB, part, 1, nheads, head, offs_d, mask_d, tl.sum(dk, 0), HEAD_DIM)
         _store_bias_grad(DB, part, 2, nheads, head, offs_d, mask_d, tl.sum(dv, 0), HEAD_DIM)
@@ -256,18 +246,18 @@ def _bwd_dkdv_kernel(
 
 @triton.jit(do_not_specialize=["max_seqlen", "threshold"])
 def _bwd_dq_kernel(
-    Q, K, V, O, DO, LSE, DELTA, DQ, CU_SEQLENS, BQ, BK, BV, DB,
+    Q, K, V, O, DO, LSE, DELTA, DQ, CU_SEQLENS, DB,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_ot, stride_oh, stride_dqt, stride_dqh,
     stride_lse_h, nheads, qk_scale, softmax_scale, threshold, keep_scale, SEED, max_seqlen,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BIAS_GRAD: tl.constexpr,
 ):
     """One program = one block of BLOCK_M queries of one (sequence, head), looping over its keys.
 
     It also computes and stores ``delta = rowsum(O * dO)`` (fp32), the softmax-backward row term
     the dK/dV kernel reads, which therefore runs after this one: no separate preprocess pass.
-    HAS_BIAS: as in the dK/dV kernel, for dq.
+    BIAS_GRAD: as in the dK/dV kernel, for dq.
     """
     pid_m = tl.program_id(0)
     seq = tl.program_id(1)
@@ -284,7 +274,8 @@ def _bwd_dq_kernel(
     mask_d = offs_d < HEAD_DIM
     mask_md = mask_m[:, None] & mask_d[None, :]
 
-    q = _load_biased(Q, BQ, start64, head, stride_qt, stride_qh, offs_m, offs_d, mask_md, mask_d, HEAD_DIM, HAS_BIAS)
+    q = tl.load(Q + start64 * stride_qt + head * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
+                mask=mask_md, other=0.0)
     do = tl.load(DO + start64 * stride_dot + head * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
                  mask=mask_md, other=0.0)
     o = tl.load(O + start64 * stride_ot + head * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
@@ -292,14 +283,16 @@ def _bwd_dq_kernel(
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + head * stride_lse_h + start + offs_m, delta, mask=mask_m)
     lse = tl.load(LSE + head * stride_lse_h + start + offs_m, mask=mask_m, other=0.0)
+    k_base = K + start64 * stride_kt + head * stride_kh
+    v_base = V + start64 * stride_vt + head * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     stream = seq * nheads + head
     for start_n in range(0, seqlen, BLOCK_N):
         cols = start_n + offs_n
         mask_n = cols < seqlen
         mask_nd = mask_n[:, None] & mask_d[None, :]
-        k = _load_biased(K, BK, start64, head, stride_kt, stride_kh, cols, offs_d, mask_nd, mask_d, HEAD_DIM, HAS_BIAS)
-        v = _load_biased(V, BV, start64, head, stride_vt, stride_vh, cols, offs_d, mask_nd, mask_d, HEAD_DIM, HAS_BIAS)
+        k = tl.load(k_base + cols[:, None] * stride_kt + offs_d[None, :], mask=mask_nd, other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=mask_nd, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         p = tl.math.exp2(qk - lse[:, None])
         p = tl.where(mask_m[:, None] & mask_n[None, :], p, 0.0)
@@ -313,7 +306,7 @@ def _bwd_dq_kernel(
     dq = dq * softmax_scale
     tl.store(DQ + start64 * stride_dqt + head * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=mask_md)
-    if HAS_BIAS:  # rows of queries past the sequence are 0 in dq (p is masked there)
+    if BIAS_GRAD:  # rows of queries past the sequence are 0 in dq (p is masked there)
         _store_bias_grad(DB, pid_m * tl.num_programs(1) + seq, 0, nheads, head, offs_d, mask_d, tl.sum(dq, 0),
                          HEAD_DIM)
 
@@ -383,15 +376,9 @@ def _kernel_constants(q: torch.Tensor, dropout_p: float) -> dict:
                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
 
 
-def _bias_args(bias, q):
-    """The kernels' BQ, BK, BV: ``bias`` ``(3, nh, hd)``'s three rows, or q as a placeholder (not read)."""
-    return tuple(bias.unbind(0)) if bias is not None else (q, q, q)
-
-
 def varlen_attention_forward(q, k, v, cu_seqlens, max_seqlen: int, dropout_p: float, softmax_scale: float,
-                             seed, bias=None):
-    """Returns ``out`` ``(T, nh, hd)`` and the log-sum-exp in log2 units ``(nh, T)`` fp32. ``bias``: None or
-    ``(3, nh, hd)`` added to q, k and v as the kernel loads them."""
+                             seed):
+    """Returns ``out`` ``(T, nh, hd)`` and the log-sum-exp in log2 units ``(nh, T)`` fp32."""
     total, nheads, head_dim = q.shape
     out = torch.empty((total, nheads, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((nheads, total), dtype=torch.float32, device=q.device)
@@ -401,11 +388,10 @@ def varlen_attention_forward(q, k, v, cu_seqlens, max_seqlen: int, dropout_p: fl
     block_m, block_n, warps, stages = _launch_config("fwd", head_dim, max_seqlen, q.device)
     grid = (triton.cdiv(max_seqlen, block_m), batch, nheads)
     _fwd_kernel[grid](
-        q, k, v, out, lse, cu_seqlens, *_bias_args(bias, q),
+        q, k, v, out, lse, cu_seqlens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         lse.stride(0), nheads, softmax_scale * _LOG2E, *_dropout_args(dropout_p), seed, max_seqlen,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, HAS_BIAS=bias is not None,
-        **_kernel_constants(q, dropout_p))
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **_kernel_constants(q, dropout_p))
     return out, lse
 
 
@@ -417,28 +403,28 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: i
 
 
 def _backward_packed(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, dropout_p: float, softmax_scale: float,
-                     seed, bias=None):
+                     seed, added_bias=None):
     """The gradients as one ``(T, 3, nh, hd)`` tensor (custom ops may not return aliasing outputs), and the
-    gradient of ``bias`` (``(3, nh, hd)``, the one the forward added; an empty tensor without one): the
-    column sums of the three, from per-program partial sums the kernels write (fp32, no atomics)."""
+    gradient of ``added_bias`` (``(3, nh, hd)``, see :func:`varlen_attention_qkvpacked`; an empty tensor
+    without one): the column sums of the three, from per-program partial sums the kernels write (fp32, no
+    atomics), in the bias's dtype."""
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     total, nheads, head_dim = q.shape
     dqkv = torch.empty((total, 3, nheads, head_dim), dtype=q.dtype, device=q.device)
     dq, dk, dv = dqkv.unbind(1)  # (T, nh, hd) each
     batch = cu_seqlens.shape[0] - 1
-    has_bias = bias is not None
+    bias_grad = added_bias is not None
     if total == 0 or batch == 0 or max_seqlen == 0:
-        return dqkv, torch.zeros_like(bias) if has_bias else q.new_empty((0,))
-    consts = dict(_kernel_constants(q, dropout_p), HAS_BIAS=has_bias)
+        return dqkv, torch.zeros_like(added_bias) if bias_grad else q.new_empty((0,))
+    consts = dict(_kernel_constants(q, dropout_p), BIAS_GRAD=bias_grad)
     blocks = _short_bwd_blocks(head_dim, max_seqlen)
-    dq_launch, dkdv_launch = _launch_config("dq", head_dim, max_seqlen, q.device), \
-        _launch_config("dkdv", head_dim, max_seqlen, q.device)
+    dq_launch = _launch_config("dq", head_dim, max_seqlen, q.device)
+    dkdv_launch = _launch_config("dkdv", head_dim, max_seqlen, q.device)
     # Bias-gradient partials: a row per (query or key block, sequence); rows no program writes stay 0.
     blocks_per_seq = 1 if blocks is not None else triton.cdiv(max_seqlen, min(dq_launch[0], dkdv_launch[1]))
-    db_part = torch.zeros((blocks_per_seq * batch, 3, nheads, head_dim) if has_bias else (0,),
+    db_part = torch.zeros((blocks_per_seq * batch, 3, nheads, head_dim) if bias_grad else (0,),
                           dtype=torch.float32, device=q.device)
-    biases = (*_bias_args(bias, q), db_part)
     common = (lse.stride(0), nheads, softmax_scale * _LOG2E, softmax_scale, *_dropout_args(dropout_p), seed,
               max_seqlen)
     strides_in = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -449,43 +435,44 @@ def _backward_packed(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, dropo
         for block in blocks:
             block_m, warps, stages = _short_bwd_launch(block, q.device)
             _bwd_dkdv_kernel[(1, batch, nheads)](
-                q, k, v, out, dout, lse, lse, dq, dk, dv, cu_seqlens, *biases, *strides_in, *strides_kv, *common,
+                q, k, v, out, dout, lse, lse, dq, dk, dv, cu_seqlens, db_part, *strides_in, *strides_kv, *common,
                 min_len, BLOCK_M=block_m, BLOCK_N=block, FUSED_DQ=True, num_warps=warps, num_stages=stages, **consts)
             min_len = block
     else:
         delta = torch.empty((nheads, total), dtype=torch.float32, device=q.device)
         block_m, block_n, warps, stages = dq_launch
         _bwd_dq_kernel[(triton.cdiv(max_seqlen, block_m), batch, nheads)](  # writes delta: runs first
-            q, k, v, out, dout, lse, delta, dq, cu_seqlens, *biases, *strides_in[:8], out.stride(0), out.stride(1),
+            q, k, v, out, dout, lse, delta, dq, cu_seqlens, db_part, *strides_in[:8], out.stride(0), out.stride(1),
             dq.stride(0), dq.stride(1), *common,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **consts)
         block_m, block_n, warps, stages = dkdv_launch
         _bwd_dkdv_kernel[(triton.cdiv(max_seqlen, block_n), batch, nheads)](
-            q, k, v, out, dout, lse, delta, dq, dk, dv, cu_seqlens, *biases, *strides_in, *strides_kv, *common, 0,
+            q, k, v, out, dout, lse, delta, dq, dk, dv, cu_seqlens, db_part, *strides_in, *strides_kv, *common, 0,
             BLOCK_M=block_m, BLOCK_N=block_n, FUSED_DQ=False, num_warps=warps, num_stages=stages, **consts)
-    return dqkv, db_part.sum(0).to(bias.dtype) if has_bias else q.new_empty((0,))
+    return dqkv, db_part.sum(0).to(added_bias.dtype) if bias_grad else q.new_empty((0,))
 
 
 # ============================================================================ torch custom ops
-def _fwd_fake(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed, bias):
+def _fwd_fake(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
     total, nheads, head_dim = q.shape
     return q.new_empty((total, nheads, head_dim)), q.new_empty((nheads, total), dtype=torch.float32)
 
 
-def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed, bias):
+def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed, added_bias):
     total, nheads, head_dim = q.shape
-    return q.new_empty((total, 3, nheads, head_dim)), torch.empty_like(bias) if bias is not None else q.new_empty((0,))
+    db = torch.empty_like(added_bias) if added_bias is not None else q.new_empty((0,))
+    return q.new_empty((total, 3, nheads, head_dim)), db
 
 
 _fwd_op = register_op(
     "varlen_attention_fwd",
     "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, SymInt max_seqlen, float dropout_p, float softmax_scale, "
-    "Tensor? seed, Tensor? bias) -> (Tensor, Tensor)",
+    "Tensor? seed) -> (Tensor, Tensor)",
     varlen_attention_forward, _fwd_fake)
 _bwd_op = register_op(
     "varlen_attention_bwd",
     "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens, SymInt max_seqlen, "
-    "float dropout_p, float softmax_scale, Tensor? seed, Tensor? bias) -> (Tensor, Tensor)",
+    "float dropout_p, float softmax_scale, Tensor? seed, Tensor? added_bias) -> (Tensor, Tensor)",
     _backward_packed, _bwd_fake)
 
 
@@ -493,7 +480,7 @@ _bwd_op = register_op(
 class VarlenAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
-        out, lse = _fwd_op(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed, None)
+        out, lse = _fwd_op(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
         ctx.args = (max_seqlen, dropout_p, softmax_scale, seed)
         return out
@@ -508,23 +495,22 @@ class VarlenAttentionFunction(torch.autograd.Function):
 class VarlenAttentionQKVPackedFunction(torch.autograd.Function):
     """Attention over one packed ``(T, 3, nh, hd)`` QKV tensor whose gradient is produced packed,
     so the model's QKV projection gets ``dqkv`` without the stack copy that ``unbind``'s backward
-    would make. ``bias`` ``(3, nh, hd)`` or None: the projection's bias, added as q, k, v load, so its
-    gradient comes out of the attention backward (no reduction pass over ``dqkv``)."""
+    would make. ``added_bias``: see :func:`varlen_attention_qkvpacked` (its value is not read)."""
 
     @staticmethod
-    def forward(ctx, qkv, bias, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
+    def forward(ctx, qkv, added_bias, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
         q, k, v = qkv.unbind(1)  # (T, nh, hd) views
-        out, lse = _fwd_op(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed, bias)
-        ctx.save_for_backward(qkv, bias, out, lse, cu_seqlens)
+        out, lse = _fwd_op(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed)
+        ctx.save_for_backward(qkv, out, lse, cu_seqlens, added_bias)  # the bias for its dtype and shape only
         ctx.args = (max_seqlen, dropout_p, softmax_scale, seed)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        qkv, bias, out, lse, cu_seqlens = ctx.saved_tensors
+        qkv, out, lse, cu_seqlens, added_bias = ctx.saved_tensors
         q, k, v = qkv.unbind(1)
-        dqkv, dbias = _bwd_op(dout, q, k, v, out, lse, cu_seqlens, *ctx.args, bias)
-        return dqkv, dbias if bias is not None else None, None, None, None, None, None
+        dqkv, dbias = _bwd_op(dout, q, k, v, out, lse, cu_seqlens, *ctx.args, added_bias)
+        return dqkv, dbias if added_bias is not None else None, None, None, None, None, None
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -571,39 +557,44 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_sca
     return VarlenAttentionFunction.apply(q, k, v, cu_seqlens, max_seqlen, float(dropout_p), scale, seed)
 
 
-def _check_bias(bias, qkv):
-    if bias is not None and (bias.shape != qkv.shape[1:] or bias.device != qkv.device or not bias.is_floating_point()):
-        raise ValueError(f"bias must be a floating-point (3, heads, head_dim) = {tuple(qkv.shape[1:])} tensor on "
-                         f"{qkv.device} (the QKV projection's bias viewed so), got {tuple(bias.shape)} {bias.dtype} "
-                         f"on {bias.device}")
+def _check_added_bias(added_bias, qkv):
+    if added_bias is not None and (added_bias.shape != qkv.shape[1:] or added_bias.device != qkv.device
+                                   or not added_bias.is_floating_point()):
+        raise ValueError(f"added_bias must be a floating-point (3, heads, head_dim) = {tuple(qkv.shape[1:])} tensor "
+                         f"on {qkv.device} (the QKV projection's bias viewed so), got {tuple(added_bias.shape)} "
+                         f"{added_bias.dtype} on {added_bias.device}")
 
 
-def varlen_attention_qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, seed=None, bias=None):
+def varlen_attention_qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, seed=None,
+                               added_bias=None):
     """:func:`varlen_attention` on one packed ``qkv`` of shape ``(total_tokens, 3, heads, head_dim)``
-    (the fused QKV projection's output viewed as such); the gradient comes back packed too. ``bias``:
-    the projection's bias viewed ``(3, heads, head_dim)``, or None; attention runs on ``qkv + bias`` and the
-    bias's gradient is summed inside the backward (the projection then runs without its bias)."""
+    (the fused QKV projection's output viewed as such); the gradient comes back packed too.
+
+    ``added_bias``: None, or the bias ``(3, heads, head_dim)`` that the projection has already added to
+    ``qkv`` while leaving its gradient to this op (the projection ran with the bias detached). The output
+    does not change; the backward returns the bias's gradient, the column sums of ``dqkv``, summed inside the
+    attention kernels (no reduction pass over ``dqkv``). Every use of ``qkv`` must then go through this op."""
     if qkv.dim() != 4 or qkv.shape[1] != 3:
         raise ValueError(f"qkv must be (total_tokens, 3, heads, head_dim), got {tuple(qkv.shape)}")
     q, k, v = qkv.unbind(1)
     _check_inputs(q, k, v, cu_seqlens, dropout_p)
-    _check_bias(bias, qkv)
+    _check_added_bias(added_bias, qkv)
     cast = autocast_dtype(qkv.device)
     if cast is not None and qkv.dtype == torch.float32:
         qkv = qkv.to(cast)
     scale, seed = _scale_and_seed(qkv.shape[-1], softmax_scale, dropout_p, seed, qkv.device)
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
-    if bias is not None and not bias.is_contiguous():
-        bias = bias.contiguous()
-    return VarlenAttentionQKVPackedFunction.apply(qkv, bias, cu_seqlens, max_seqlen, float(dropout_p), scale, seed)
+    return VarlenAttentionQKVPackedFunction.apply(qkv, added_bias, cu_seqlens, max_seqlen, float(dropout_p), scale,
+                                                  seed)
 
 
 def varlen_attention_qkvpacked_ref(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, seed=None,
-                                   bias=None):
+                                   added_bias=None):
     """Reference for :func:`varlen_attention_qkvpacked`."""
-    if bias is not None:
-        _check_bias(bias, qkv)
-        qkv = qkv + bias
+    if added_bias is not None:
+        _check_added_bias(added_bias, qkv)
+        # + 0 in value (exactly: qkv unchanged), while the bias's gradient becomes dqkv's column sums
+        qkv = (qkv + (added_bias - added_bias.detach())).to(qkv.dtype)
     q, k, v = qkv.unbind(1)
     return varlen_attention_ref(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed)

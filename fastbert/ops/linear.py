@@ -83,15 +83,18 @@ class LinearResidualFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         w, b = autocast_inputs(weight, bias)
         ctx.save_for_backward(x, w)
-        ctx.has_bias, ctx.wdtype = bias is not None, weight.dtype
+        ctx.bias_grad, ctx.wdtype = ctx.needs_input_grad[2], weight.dtype  # no reduction for a detached bias
+        ctx.set_materialize_grads(False)  # an unused second output gives dres None, not a tensor of zeros
         return F.linear(x, w, b), x
 
     @staticmethod
     def backward(ctx, dy, dres):
         x, weight = ctx.saved_tensors
+        if dy is None:
+            dy = x.new_zeros((*x.shape[:-1], weight.shape[0]))
         dres = dres.contiguous() if dres is not None else None
-        dx, dw, db = _bwd_op(dy.contiguous(), dres, x, weight, ctx.has_bias, ctx.wdtype)
-        return dx, dw, db if ctx.has_bias else None
+        dx, dw, db = _bwd_op(dy.contiguous(), dres, x, weight, ctx.bias_grad, ctx.wdtype)
+        return dx, dw, db if ctx.bias_grad else None
 
 
 def linear_residual(x, weight, bias=None):

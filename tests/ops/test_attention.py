@@ -219,57 +219,57 @@ def test_dropout_backward_consistent_with_mask(backward_path):
     torch.testing.assert_close(grad, grad_r, rtol=1e-4, atol=1e-5)
 
 
-# ---------------------------------------------------------------------------------- the QKV bias
+# ---------------------------------------------------------------------------------- the QKV bias's gradient
 def bias_case(lengths, dtype, bias_dtype, heads=2, head_dim=32, device=DEVICE, seed=4):
     g = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(sum(lengths), 3, heads, head_dim, generator=g).to(device, dtype)
+    x = torch.randn(sum(lengths), 3, heads, head_dim, generator=g).to(device, dtype)
     bias = torch.randn(3, heads, head_dim, generator=g).to(device, bias_dtype)
     dout = torch.randn(sum(lengths), heads, head_dim, generator=g).to(device, dtype)
-    return cu_seqlens_of(lengths, device), qkv, bias, dout
+    return cu_seqlens_of(lengths, device), x, bias, dout
 
 
-def packed_grads(fn, qkv, bias, cu, max_seqlen, dout, **kw):
-    leaves = [qkv.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()]
-    out = fn(leaves[0], cu, max_seqlen, bias=leaves[1], **kw)
+def bias_grads(fn, x, bias, cu, max_seqlen, dout, **kw):
+    """(out, dx, dbias) of attention over ``qkv = x + bias``: the bias added outside, then handed to ``fn`` as
+    ``added_bias`` (its gradient comes from there; ``added_bias=False``: from autograd's sum instead)."""
+    leaves = [x.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()]
+    sink = kw.pop("added_bias", True)
+    qkv = (leaves[0] + (leaves[1].detach() if sink else leaves[1])).to(x.dtype)
+    out = fn(qkv, cu, max_seqlen, added_bias=leaves[1] if sink else None, **kw)
     return (out, *torch.autograd.grad(out, leaves, dout))
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.25])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_qkv_bias_is_attention_of_the_biased_qkv(dtype, dropout_p, backward_path):
-    """``bias=`` is attention over ``qkv + bias`` (the same rounding: the kernel adds in fp32 and rounds to the
-    tensor's dtype, as torch's add does), its gradient the column sums of dqkv; empty, one-token and
-    past-the-block sequences contribute nothing else."""
+def test_added_bias_gradient_is_the_column_sums(dtype, dropout_p, backward_path):
+    """``added_bias`` leaves the output as it is and returns the bias's gradient, the column sums of dqkv
+    (summed in fp32 inside the kernels); empty, one-token and past-the-block sequences add nothing else."""
     from fastbert.ops.attention import varlen_attention_qkvpacked, varlen_attention_qkvpacked_ref
     lengths = [0, 1, 37, 5, 0, 70]
-    cu, qkv, bias, dout = bias_case(lengths, dtype, dtype)
+    cu, x, bias, dout = bias_case(lengths, dtype, dtype)
     kw = dict(dropout_p=dropout_p, seed=17)
-    out, dqkv, dbias = packed_grads(varlen_attention_qkvpacked, qkv, bias, cu, 70, dout, **kw)
-    biased = (qkv + bias).requires_grad_()
-    out2 = varlen_attention_qkvpacked(biased, cu, 70, **kw)
-    (dqkv2,) = torch.autograd.grad(out2, biased, dout)
+    out, dx, dbias = bias_grads(varlen_attention_qkvpacked, x, bias, cu, 70, dout, **kw)
+    out2, dx2, dbias2 = bias_grads(varlen_attention_qkvpacked, x, bias, cu, 70, dout, added_bias=False, **kw)
     torch.testing.assert_close(out, out2, rtol=0, atol=0)
-    torch.testing.assert_close(dqkv, dqkv2, rtol=0, atol=0)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2  # fp32 sums in another order; fp16: sums of unrounded dq/dk/dv
-    torch.testing.assert_close(dbias.float(), dqkv2.float().sum(0), rtol=tol, atol=tol)
-    if dropout_p == 0.0:
-        want = packed_grads(varlen_attention_qkvpacked_ref, qkv.double(), bias.double(), cu, 70, dout.double())
-        for got, ref in zip((out, dqkv, dbias), want):
-            torch.testing.assert_close(got.double(), ref, rtol=2e-2 if dtype == torch.float16 else 1e-5,
-                                       atol=2e-2 if dtype == torch.float16 else 1e-5)
+    torch.testing.assert_close(dx, dx2, rtol=0, atol=0)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # fp32: another order; fp16: sums of unrounded dq/dk/dv
+    torch.testing.assert_close(dbias.float(), dbias2.float(), rtol=tol, atol=tol)
+    if dropout_p == 0.0:  # the reference's added_bias: the same gradients
+        want = bias_grads(varlen_attention_qkvpacked_ref, x.double(), bias.double(), cu, 70, dout.double())
+        for got, ref in zip((out, dx, dbias), want):
+            tol = 2e-2 if dtype == torch.float16 else 1e-5
+            torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol)
 
 
-def test_qkv_bias_fp32_on_16bit_qkv_and_bad_shapes():
-    """Under autocast the bias is the fp32 parameter beside 16-bit qkv: added in fp32, gradient in fp32."""
+def test_added_bias_fp32_beside_16bit_qkv_and_bad_shapes():
+    """Under autocast the bias is the fp32 parameter beside 16-bit qkv: its gradient comes back fp32."""
     from fastbert.ops.attention import varlen_attention_qkvpacked
-    cu, qkv, bias, dout = bias_case([9, 30], torch.float16, torch.float32)
-    out, dqkv, dbias = packed_grads(varlen_attention_qkvpacked, qkv, bias, cu, 30, dout)
+    cu, x, bias, dout = bias_case([9, 30], torch.float16, torch.float32)
+    out, dx, dbias = bias_grads(varlen_attention_qkvpacked, x, bias, cu, 30, dout)
     assert out.dtype == torch.float16 and dbias.dtype == torch.float32
-    biased = (qkv.float() + bias).half().requires_grad_()  # one rounding, as in the kernel
-    out2 = varlen_attention_qkvpacked(biased, cu, 30)
-    torch.testing.assert_close(out, out2, rtol=0, atol=0)
-    with pytest.raises(ValueError, match="bias"):
-        varlen_attention_qkvpacked(qkv, cu, 30, bias=bias.view(-1))
+    want = bias_grads(varlen_attention_qkvpacked, x, bias, cu, 30, dout, added_bias=False)[2]
+    torch.testing.assert_close(dbias, want, rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="added_bias"):
+        varlen_attention_qkvpacked(x, cu, 30, added_bias=bias.view(-1))
 
 
 # ---------------------------------------------------------------------------------- torch.compile
@@ -284,9 +284,9 @@ def test_custom_ops_pass_opcheck_and_compile():
     q, k, v = qkv.unbind(1)
     seed = torch.tensor([3], dtype=torch.int64)  # the seed travels as a device tensor (None: no dropout)
     for p, s in ((0.0, None), (0.1, seed)):
+        torch.library.opcheck(torch.ops.fastbert.varlen_attention_fwd.default, (q, k, v, cu, 20, p, 0.2, s))
+        out, lse = attn.varlen_attention_forward(q, k, v, cu, 20, p, 0.2, s)
         for bias in (None, torch.randn(3, 2, 32)):
-            torch.library.opcheck(torch.ops.fastbert.varlen_attention_fwd.default, (q, k, v, cu, 20, p, 0.2, s, bias))
-            out, lse = attn.varlen_attention_forward(q, k, v, cu, 20, p, 0.2, s, bias)
             torch.library.opcheck(torch.ops.fastbert.varlen_attention_bwd.default,
                                   (torch.randn_like(out), q, k, v, out, lse, cu, 20, p, 0.2, s, bias))
 
@@ -362,21 +362,18 @@ def test_qkvpacked_equals_separate_views(dropout_p):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("seq", [128, 512])
-def test_gpu_qkv_bias_bert_large(seq):
-    """bf16 qkv, fp32 bias (autocast's pairing) at BERT-large's heads: the output as attention over the
-    once-rounded biased qkv; the bias gradient within bf16 error of an fp64 reference's."""
+def test_gpu_added_bias_bert_large(seq):
+    """bf16 qkv, fp32 bias (autocast's pairing) at BERT-large's heads, both backward paths: the bias gradient
+    summed in the kernels within bf16 error of an fp64 reference's, as close as summing the bf16 dqkv."""
     from fastbert.ops.attention import varlen_attention_qkvpacked, varlen_attention_qkvpacked_ref
     g = torch.Generator().manual_seed(seq)
     lengths = [1, seq, seq // 2] + torch.randint(1, seq + 1, (29,), generator=g).tolist()
-    cu, qkv, bias, dout = bias_case(lengths, torch.bfloat16, torch.float32, heads=16, head_dim=64, device="cuda")
-    out, dqkv, dbias = packed_grads(varlen_attention_qkvpacked, qkv, bias, cu, seq, dout, dropout_p=0.1)
+    cu, x, bias, dout = bias_case(lengths, torch.bfloat16, torch.float32, heads=16, head_dim=64, device="cuda")
+    dbias = bias_grads(varlen_attention_qkvpacked, x, bias, cu, seq, dout, dropout_p=0.1)[2]
     assert dbias.dtype == torch.float32 and torch.isfinite(dbias).all()
-    out, dqkv, dbias = packed_grads(varlen_attention_qkvpacked, qkv, bias, cu, seq, dout)
-    biased = (qkv.float() + bias).bfloat16().requires_grad_()
-    out2 = varlen_attention_qkvpacked(biased, cu, seq)
-    (dqkv2,) = torch.autograd.grad(out2, biased, dout)
-    torch.testing.assert_close(out, out2, rtol=0, atol=0)
-    torch.testing.assert_close(dqkv, dqkv2, rtol=0, atol=0)
-    ref = packed_grads(varlen_attention_qkvpacked_ref, qkv.double(), bias.double(), cu, seq, dout.double())[2]
-    same = dqkv2.double().sum(0)  # bf16 dqkv summed exactly: what a reduction after the kernel would give
-    assert (dbias.double() - ref).abs().max() <= 2 * (same - ref).abs().max() + 1e-3
+    out, dx, dbias = bias_grads(varlen_attention_qkvpacked, x, bias, cu, seq, dout)
+    same = bias_grads(varlen_attention_qkvpacked, x, bias, cu, seq, dout, added_bias=False)
+    torch.testing.assert_close(out, same[0], rtol=0, atol=0)
+    torch.testing.assert_close(dx, same[1], rtol=0, atol=0)
+    ref = bias_grads(varlen_attention_qkvpacked_ref, x.double(), bias.double(), cu, seq, dout.double())[2]
+    assert (dbias.double() - ref).abs().max() <= 2 * (same[2].double() - ref).abs().max() + 1e-3
