@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from fastbert.ops._common import (
-    autocast_dtype, check_dropout_p, check_triton_device, drop_threshold, dropout_keep, dropout_seed, register_op, tl,
-    triton)
+    autocast_dtype, check_dropout_p, check_triton_device, drop_threshold, dropout_keep, dropout_seed, register_op,
+    sum_partials, tl, triton)
 from fastbert.padding import unpad_by_seqlens, pad, unpad
 
 
@@ -168,8 +168,10 @@ def _bwd_dkdv_kernel(
     raised illegal memory accesses on the H100 with Triton 3.6) and computes delta = rowsum(O * dO) from O;
     one launch, no atomics, K and V read once. Otherwise DELTA comes from the dQ kernel, which ran first.
 
-    BIAS_GRAD: the program's column sums of dk and dv (and with FUSED_DQ of dq) go to its row of the
-    bias-gradient partials DB (no atomics).
+    BIAS_GRAD: the program's column sums of dv (and with FUSED_DQ of dq) go to its row of the bias-gradient
+    partials DB (no atomics). Those of dk are not summed: the key bias's gradient is exactly zero (a shift
+    shared by all of a query's scores leaves its softmax unchanged), so its row stays 0. With FUSED_DQ the
+    dq sum is ``(sum over queries of dS^T) K``: a row sum per query block, one column sum at the end.
     """
     pid_n = tl.program_id(0)
     seq = tl.program_id(1)
@@ -196,7 +198,7 @@ def _bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     if BIAS_GRAD and FUSED_DQ:
-        dq_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
+        ds_rows = tl.zeros([BLOCK_N], dtype=tl.float32)  # sum over queries of dS^T, per key
     stream = seq * nheads + head
     for start_m in range(0, seqlen, BLOCK_M):
         rows = start_m + offs_m
@@ -224,23 +226,23 @@ def _bwd_dkdv_kernel(
             dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
         dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
+        if BIAS_GRAD and FUSED_DQ:
+            ds_rows += tl.sum(dsT.to(tl.float32), 1)
         if FUSED_DQ:
             dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION) * softmax_scale  # (BLOCK_M, BLOCK_D)
             tl.store(DQ + start64 * stride_dqt + head * stride_dqh + rows[:, None] * stride_dqt + offs_d[None, :],
                      dq.to(DQ.dtype.element_ty), mask=mask_md)
-            if BIAS_GRAD:
-                dq_sum += tl.sum(dq, 0)
 
     dk = dk * softmax_scale
     tl.store(DK + start64 * stride_dkt + head * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=mask_nd)
     tl.store(DV + start64 * stride_dvt + head * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :],
              dv.to(DV.dtype.element_ty), mask=mask_nd)
-    if BIAS_GRAD:  # rows of keys past the sequence are 0 in dk and dv, rows of queries past it in dq
+    if BIAS_GRAD:  # rows of keys past the sequence are 0 in dv and ds_rows (k is 0 there)
         part = pid_n * tl.num_programs(1) + seq
-        _store_bias_grad(DB, part, 1, nheads, head, offs_d, mask_d, tl.sum(dk, 0), HEAD_DIM)
         _store_bias_grad(DB, part, 2, nheads, head, offs_d, mask_d, tl.sum(dv, 0), HEAD_DIM)
         if FUSED_DQ:
+            dq_sum = tl.sum(ds_rows[:, None] * k.to(tl.float32), 0) * softmax_scale
             _store_bias_grad(DB, part, 0, nheads, head, offs_d, mask_d, dq_sum, HEAD_DIM)
 
 
@@ -406,8 +408,8 @@ def _backward_packed(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, dropo
                      seed, added_bias=None):
     """The gradients as one ``(T, 3, nh, hd)`` tensor (custom ops may not return aliasing outputs), and the
     gradient of ``added_bias`` (``(3, nh, hd)``, see :func:`varlen_attention_qkvpacked`; an empty tensor
-    without one): the column sums of the three, from per-program partial sums the kernels write (fp32, no
-    atomics), in the bias's dtype."""
+    without one): the column sums of dq and dv (the key bias's is exactly 0), from per-program partial sums the
+    kernels write (fp32, no atomics), in the bias's dtype."""
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     total, nheads, head_dim = q.shape
@@ -449,7 +451,10 @@ def _backward_packed(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, dropo
         _bwd_dkdv_kernel[(triton.cdiv(max_seqlen, block_n), batch, nheads)](
             q, k, v, out, dout, lse, delta, dq, dk, dv, cu_seqlens, db_part, *strides_in, *strides_kv, *common, 0,
             BLOCK_M=block_m, BLOCK_N=block_n, FUSED_DQ=False, num_warps=warps, num_stages=stages, **consts)
-    return dqkv, db_part.sum(0).to(added_bias.dtype) if bias_grad else q.new_empty((0,))
+    if not bias_grad:
+        return dqkv, q.new_empty((0,))
+    return dqkv, torch.stack(sum_partials(db_part.view(-1, 3, nheads * head_dim), [added_bias.dtype] * 3)).view(
+        added_bias.shape)
 
 
 # ============================================================================ torch custom ops
@@ -573,7 +578,9 @@ def varlen_attention_qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softm
     ``added_bias``: None, or the bias ``(3, heads, head_dim)`` that the projection has already added to
     ``qkv`` while leaving its gradient to this op (the projection ran with the bias detached). The output
     does not change; the backward returns the bias's gradient, the column sums of ``dqkv``, summed inside the
-    attention kernels (no reduction pass over ``dqkv``). Every use of ``qkv`` must then go through this op."""
+    attention kernels (no reduction pass over ``dqkv``); the key bias's part is exactly 0 (softmax ignores a
+    shift shared by a query's scores; autograd's sum gives rounding noise there). Every use of ``qkv`` must
+    then go through this op."""
     if qkv.dim() != 4 or qkv.shape[1] != 3:
         raise ValueError(f"qkv must be (total_tokens, 3, heads, head_dim), got {tuple(qkv.shape)}")
     q, k, v = qkv.unbind(1)

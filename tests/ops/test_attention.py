@@ -251,8 +251,11 @@ def test_added_bias_gradient_is_the_column_sums(dtype, dropout_p, backward_path)
     out2, dx2, dbias2 = bias_grads(varlen_attention_qkvpacked, x, bias, cu, 70, dout, added_bias=False, **kw)
     torch.testing.assert_close(out, out2, rtol=0, atol=0)
     torch.testing.assert_close(dx, dx2, rtol=0, atol=0)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2  # fp32: another order; fp16: sums of unrounded dq/dk/dv
-    torch.testing.assert_close(dbias.float(), dbias2.float(), rtol=tol, atol=tol)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # fp32: another order; fp16: sums of unrounded dq/dv
+    for i in (0, 2):
+        torch.testing.assert_close(dbias[i].float(), dbias2[i].float(), rtol=tol, atol=tol)
+    # The key bias: exactly 0 (softmax is shift-invariant per query); autograd's sum of the rounded dk is noise.
+    assert (dbias[1] == 0).all() and dbias2[1].abs().max() < 0.02 * dbias2.abs().max()
     if dropout_p == 0.0:  # the reference's added_bias: the same gradients
         want = bias_grads(varlen_attention_qkvpacked_ref, x.double(), bias.double(), cu, 70, dout.double())
         for got, ref in zip((out, dx, dbias), want):
@@ -267,7 +270,7 @@ def test_added_bias_fp32_beside_16bit_qkv_and_bad_shapes():
     out, dx, dbias = bias_grads(varlen_attention_qkvpacked, x, bias, cu, 30, dout)
     assert out.dtype == torch.float16 and dbias.dtype == torch.float32
     want = bias_grads(varlen_attention_qkvpacked, x, bias, cu, 30, dout, added_bias=False)[2]
-    torch.testing.assert_close(dbias, want, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(dbias[0::2], want[0::2], rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match="added_bias"):
         varlen_attention_qkvpacked(x, cu, 30, added_bias=bias.view(-1))
 
@@ -377,3 +380,4 @@ def test_gpu_added_bias_bert_large(seq):
     torch.testing.assert_close(dx, same[1], rtol=0, atol=0)
     ref = bias_grads(varlen_attention_qkvpacked_ref, x.double(), bias.double(), cu, seq, dout.double())[2]
     assert (dbias.double() - ref).abs().max() <= 2 * (same[2].double() - ref).abs().max() + 1e-3
+    assert (dbias[1] == 0).all() and ref[1].abs().max() < 1e-6 * ref.abs().max()  # the key bias's: exactly 0
