@@ -87,20 +87,14 @@ def layer(ops, x, w: LayerWeights, cu_seqlens, max_seqlen: int, rows: Rows | Non
     # so its gradient joins theirs inside a GEMM instead of an addition kernel.
     def attention(h):  # -> (output, probs, h for the residual)
         tokens = h.shape[0]
-        # The QKV bias's gradient is summed inside the attention backward (added_bias) when attention is
-        # qkv's only use: no padding rows (their part is computed beside the kernel) and no attention maps.
-        sink = w.qkv_bias if (w.fp8 is None and w.qkv_bias is not None and not output_attentions
-                              and (rows is None or not rows.num_extra)) else None
         if w.fp8 is None:
-            qkv, h = ops.linear_residual(h, w.qkv_weight, w.qkv_bias if sink is None else sink.detach())
+            qkv, h = ops.linear_residual(h, w.qkv_weight, w.qkv_bias)
         else:
             qkv = linear(h, w.qkv_weight, w.qkv_bias, 0)
         qkv = qkv.view(tokens, 3, nh, hd)  # (T, 3, nh, hd)
         p = dropout.attention
-        added = sink.view(3, nh, hd) if sink is not None else None
         ctx = with_padding_rows(
-            lambda t: ops.attention_qkvpacked(t, cu_seqlens, max_seqlen, dropout_p=p, softmax_scale=softmax_scale,
-                                              added_bias=added),
+            lambda t: ops.attention_qkvpacked(t, cu_seqlens, max_seqlen, dropout_p=p, softmax_scale=softmax_scale),
             qkv, rows, softmax_scale, p)  # (T, nh, hd)
         probs = (attention_maps_or_packed(qkv, rows, cu_seqlens, max_seqlen, softmax_scale)
                  if output_attentions else None)

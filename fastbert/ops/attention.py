@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from fastbert.ops._common import (
-    autocast_dtype, check_dropout_p, check_triton_device, drop_threshold, dropout_keep, dropout_seed, register_op,
-    sum_partials, tl, triton)
+    autocast_dtype, check_dropout_p, check_triton_device, drop_threshold, dropout_keep, dropout_seed, register_op, tl,
+    triton)
 from fastbert.padding import unpad_by_seqlens, pad, unpad
 
 
@@ -71,13 +71,6 @@ def _load_rows(P, start64, head, stride_t, stride_h, offs, offs_d, mask):
     """Rows ``offs`` (of a sequence starting at token ``start64``) of one head of a ``(T, nh, hd)`` tensor."""
     return tl.load(P + start64 * stride_t + head * stride_h + offs[:, None] * stride_t + offs_d[None, :], mask=mask,
                    other=0.0)
-
-
-@triton.jit
-def _store_bias_grad(DB, part, which, nheads, head, offs_d, mask_d, col_sums, HEAD_DIM: tl.constexpr):
-    """One program's column sums of dq / dk / dv (``which`` 0 / 1 / 2) into row ``part`` of the bias-gradient
-    partials ``(parts, 3, nh, hd)`` fp32."""
-    tl.store(DB + ((part * 3 + which) * nheads + head) * HEAD_DIM + offs_d, col_sums, mask=mask_d)
 
 
 @triton.jit
@@ -151,12 +144,12 @@ def _fwd_kernel(
 
 @triton.jit(do_not_specialize=["max_seqlen", "threshold"])
 def _bwd_dkdv_kernel(
-    Q, K, V, O, DO, LSE, DELTA, DQ, DK, DV, CU_SEQLENS, DB,
+    Q, K, V, O, DO, LSE, DELTA, DQ, DK, DV, CU_SEQLENS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_ot, stride_oh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     stride_lse_h, nheads, qk_scale, softmax_scale, threshold, keep_scale, SEED, max_seqlen, min_len,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED_DQ: tl.constexpr, BIAS_GRAD: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED_DQ: tl.constexpr,
 ):
     """One program = one block of BLOCK_N keys of one (sequence, head), looping over its queries in blocks
     of BLOCK_M. The scores are computed key-major (S^T = K Q^T), so P^T and dS^T feed the dV and dK GEMMs
@@ -167,11 +160,6 @@ def _bwd_dkdv_kernel(
     (dQ = dS K: dS^T goes through shared memory once; computing dQ^T = K^T dS^T and storing it transposed
     raised illegal memory accesses on the H100 with Triton 3.6) and computes delta = rowsum(O * dO) from O;
     one launch, no atomics, K and V read once. Otherwise DELTA comes from the dQ kernel, which ran first.
-
-    BIAS_GRAD: the program's column sums of dv (and with FUSED_DQ of dq) go to its row of the bias-gradient
-    partials DB (no atomics). Those of dk are not summed: the key bias's gradient is exactly zero (a shift
-    shared by all of a query's scores leaves its softmax unchanged), so its row stays 0. With FUSED_DQ the
-    dq sum is ``(sum over queries of dS^T) K``: a row sum per query block, one column sum at the end.
     """
     pid_n = tl.program_id(0)
     seq = tl.program_id(1)
@@ -197,8 +185,6 @@ def _bwd_dkdv_kernel(
     delta_base = DELTA + head * stride_lse_h + start
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    if BIAS_GRAD and FUSED_DQ:
-        ds_rows = tl.zeros([BLOCK_N], dtype=tl.float32)  # sum over queries of dS^T, per key
     stream = seq * nheads + head
     for start_m in range(0, seqlen, BLOCK_M):
         rows = start_m + offs_m
@@ -226,8 +212,6 @@ def _bwd_dkdv_kernel(
             dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
         dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
-        if BIAS_GRAD and FUSED_DQ:
-            ds_rows += tl.sum(dsT.to(tl.float32), 1)
         if FUSED_DQ:
             dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION) * softmax_scale  # (BLOCK_M, BLOCK_D)
             tl.store(DQ + start64 * stride_dqt + head * stride_dqh + rows[:, None] * stride_dqt + offs_d[None, :],
@@ -238,28 +222,21 @@ def _bwd_dkdv_kernel(
              dk.to(DK.dtype.element_ty), mask=mask_nd)
     tl.store(DV + start64 * stride_dvt + head * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :],
              dv.to(DV.dtype.element_ty), mask=mask_nd)
-    if BIAS_GRAD:  # rows of keys past the sequence are 0 in dv and ds_rows (k is 0 there)
-        part = pid_n * tl.num_programs(1) + seq
-        _store_bias_grad(DB, part, 2, nheads, head, offs_d, mask_d, tl.sum(dv, 0), HEAD_DIM)
-        if FUSED_DQ:
-            dq_sum = tl.sum(ds_rows[:, None] * k.to(tl.float32), 0) * softmax_scale
-            _store_bias_grad(DB, part, 0, nheads, head, offs_d, mask_d, dq_sum, HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=["max_seqlen", "threshold"])
 def _bwd_dq_kernel(
-    Q, K, V, O, DO, LSE, DELTA, DQ, CU_SEQLENS, DB,
+    Q, K, V, O, DO, LSE, DELTA, DQ, CU_SEQLENS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_ot, stride_oh, stride_dqt, stride_dqh,
     stride_lse_h, nheads, qk_scale, softmax_scale, threshold, keep_scale, SEED, max_seqlen,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BIAS_GRAD: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program = one block of BLOCK_M queries of one (sequence, head), looping over its keys.
 
     It also computes and stores ``delta = rowsum(O * dO)`` (fp32), the softmax-backward row term
     the dK/dV kernel reads, which therefore runs after this one: no separate preprocess pass.
-    BIAS_GRAD: as in the dK/dV kernel, for dq.
     """
     pid_m = tl.program_id(0)
     seq = tl.program_id(1)
@@ -308,9 +285,6 @@ def _bwd_dq_kernel(
     dq = dq * softmax_scale
     tl.store(DQ + start64 * stride_dqt + head * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=mask_md)
-    if BIAS_GRAD:  # rows of queries past the sequence are 0 in dq (p is masked there)
-        _store_bias_grad(DB, pid_m * tl.num_programs(1) + seq, 0, nheads, head, offs_d, mask_d, tl.sum(dq, 0),
-                         HEAD_DIM)
 
 
 # ============================================================================ host wrappers
@@ -401,32 +375,22 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: i
                               softmax_scale: float, seed):
     """Returns ``dq, dk, dv``, each ``(T, nh, hd)``: views of one ``(T, 3, nh, hd)`` buffer."""
     return _backward_packed(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, softmax_scale,
-                            seed)[0].unbind(1)
+                            seed).unbind(1)
 
 
 def _backward_packed(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, dropout_p: float, softmax_scale: float,
-                     seed, added_bias=None):
-    """The gradients as one ``(T, 3, nh, hd)`` tensor (custom ops may not return aliasing outputs), and the
-    gradient of ``added_bias`` (``(3, nh, hd)``, see :func:`varlen_attention_qkvpacked`; an empty tensor
-    without one): the column sums of dq and dv (the key bias's is exactly 0), from per-program partial sums the
-    kernels write (fp32, no atomics), in the bias's dtype."""
+                     seed):
+    """The gradients as one ``(T, 3, nh, hd)`` tensor (custom ops may not return aliasing outputs)."""
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     total, nheads, head_dim = q.shape
     dqkv = torch.empty((total, 3, nheads, head_dim), dtype=q.dtype, device=q.device)
     dq, dk, dv = dqkv.unbind(1)  # (T, nh, hd) each
     batch = cu_seqlens.shape[0] - 1
-    bias_grad = added_bias is not None
     if total == 0 or batch == 0 or max_seqlen == 0:
-        return dqkv, torch.zeros_like(added_bias) if bias_grad else q.new_empty((0,))
-    consts = dict(_kernel_constants(q, dropout_p), BIAS_GRAD=bias_grad)
+        return dqkv
+    consts = _kernel_constants(q, dropout_p)
     blocks = _short_bwd_blocks(head_dim, max_seqlen)
-    dq_launch = _launch_config("dq", head_dim, max_seqlen, q.device)
-    dkdv_launch = _launch_config("dkdv", head_dim, max_seqlen, q.device)
-    # Bias-gradient partials: a row per (query or key block, sequence); rows no program writes stay 0.
-    blocks_per_seq = 1 if blocks is not None else triton.cdiv(max_seqlen, min(dq_launch[0], dkdv_launch[1]))
-    db_part = torch.zeros((blocks_per_seq * batch, 3, nheads, head_dim) if bias_grad else (0,),
-                          dtype=torch.float32, device=q.device)
     common = (lse.stride(0), nheads, softmax_scale * _LOG2E, softmax_scale, *_dropout_args(dropout_p), seed,
               max_seqlen)
     strides_in = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -437,24 +401,23 @@ def _backward_packed(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, dropo
         for block in blocks:
             block_m, warps, stages = _short_bwd_launch(block, q.device)
             _bwd_dkdv_kernel[(1, batch, nheads)](
-                q, k, v, out, dout, lse, lse, dq, dk, dv, cu_seqlens, db_part, *strides_in, *strides_kv, *common,
-                min_len, BLOCK_M=block_m, BLOCK_N=block, FUSED_DQ=True, num_warps=warps, num_stages=stages, **consts)
+                q, k, v, out, dout, lse, lse, dq, dk, dv, cu_seqlens, *strides_in, *strides_kv, *common, min_len,
+                BLOCK_M=block_m, BLOCK_N=block, FUSED_DQ=True, num_warps=warps, num_stages=stages, **consts)
             min_len = block
-    else:
-        delta = torch.empty((nheads, total), dtype=torch.float32, device=q.device)
-        block_m, block_n, warps, stages = dq_launch
-        _bwd_dq_kernel[(triton.cdiv(max_seqlen, block_m), batch, nheads)](  # writes delta: runs first
-            q, k, v, out, dout, lse, delta, dq, cu_seqlens, db_part, *strides_in[:8], out.stride(0), out.stride(1),
-            dq.stride(0), dq.stride(1), *common,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **consts)
-        block_m, block_n, warps, stages = dkdv_launch
-        _bwd_dkdv_kernel[(triton.cdiv(max_seqlen, block_n), batch, nheads)](
-            q, k, v, out, dout, lse, delta, dq, dk, dv, cu_seqlens, db_part, *strides_in, *strides_kv, *common, 0,
-            BLOCK_M=block_m, BLOCK_N=block_n, FUSED_DQ=False, num_warps=warps, num_stages=stages, **consts)
-    if not bias_grad:
-        return dqkv, q.new_empty((0,))
-    return dqkv, torch.stack(sum_partials(db_part.view(-1, 3, nheads * head_dim), [added_bias.dtype] * 3)).view(
-        added_bias.shape)
+        return dqkv
+    delta = torch.empty((nheads, total), dtype=torch.float32, device=q.device)
+
+    block_m, block_n, warps, stages = _launch_config("dq", head_dim, max_seqlen, q.device)
+    _bwd_dq_kernel[(triton.cdiv(max_seqlen, block_m), batch, nheads)](  # writes delta: runs first
+        q, k, v, out, dout, lse, delta, dq, cu_seqlens, *strides_in[:8], out.stride(0), out.stride(1),
+        dq.stride(0), dq.stride(1), *common,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **consts)
+
+    block_m, block_n, warps, stages = _launch_config("dkdv", head_dim, max_seqlen, q.device)
+    _bwd_dkdv_kernel[(triton.cdiv(max_seqlen, block_n), batch, nheads)](
+        q, k, v, out, dout, lse, delta, dq, dk, dv, cu_seqlens, *strides_in, *strides_kv, *common, 0,
+        BLOCK_M=block_m, BLOCK_N=block_n, FUSED_DQ=False, num_warps=warps, num_stages=stages, **consts)
+    return dqkv
 
 
 # ============================================================================ torch custom ops
@@ -463,10 +426,9 @@ def _fwd_fake(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
     return q.new_empty((total, nheads, head_dim)), q.new_empty((nheads, total), dtype=torch.float32)
 
 
-def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed, added_bias):
+def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
     total, nheads, head_dim = q.shape
-    db = torch.empty_like(added_bias) if added_bias is not None else q.new_empty((0,))
-    return q.new_empty((total, 3, nheads, head_dim)), db
+    return q.new_empty((total, 3, nheads, head_dim))
 
 
 _fwd_op = register_op(
@@ -477,7 +439,7 @@ _fwd_op = register_op(
 _bwd_op = register_op(
     "varlen_attention_bwd",
     "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens, SymInt max_seqlen, "
-    "float dropout_p, float softmax_scale, Tensor? seed, Tensor? added_bias) -> (Tensor, Tensor)",
+    "float dropout_p, float softmax_scale, Tensor? seed) -> Tensor",
     _backward_packed, _bwd_fake)
 
 
@@ -493,29 +455,28 @@ class VarlenAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-        dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, cu_seqlens, *ctx.args, None)[0].unbind(1)  # (T, nh, hd)
+        dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, cu_seqlens, *ctx.args).unbind(1)  # (T, nh, hd) each
         return dq, dk, dv, None, None, None, None, None
 
 
 class VarlenAttentionQKVPackedFunction(torch.autograd.Function):
     """Attention over one packed ``(T, 3, nh, hd)`` QKV tensor whose gradient is produced packed,
     so the model's QKV projection gets ``dqkv`` without the stack copy that ``unbind``'s backward
-    would make. ``added_bias``: see :func:`varlen_attention_qkvpacked` (its value is not read)."""
+    would make."""
 
     @staticmethod
-    def forward(ctx, qkv, added_bias, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
+    def forward(ctx, qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
         q, k, v = qkv.unbind(1)  # (T, nh, hd) views
         out, lse = _fwd_op(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed)
-        ctx.save_for_backward(qkv, out, lse, cu_seqlens, added_bias)  # the bias for its dtype and shape only
+        ctx.save_for_backward(qkv, out, lse, cu_seqlens)
         ctx.args = (max_seqlen, dropout_p, softmax_scale, seed)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        qkv, out, lse, cu_seqlens, added_bias = ctx.saved_tensors
+        qkv, out, lse, cu_seqlens = ctx.saved_tensors
         q, k, v = qkv.unbind(1)
-        dqkv, dbias = _bwd_op(dout, q, k, v, out, lse, cu_seqlens, *ctx.args, added_bias)
-        return dqkv, dbias if added_bias is not None else None, None, None, None, None, None
+        return _bwd_op(dout, q, k, v, out, lse, cu_seqlens, *ctx.args), None, None, None, None, None
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -562,46 +523,23 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_sca
     return VarlenAttentionFunction.apply(q, k, v, cu_seqlens, max_seqlen, float(dropout_p), scale, seed)
 
 
-def _check_added_bias(added_bias, qkv):
-    if added_bias is not None and (added_bias.shape != qkv.shape[1:] or added_bias.device != qkv.device
-                                   or not added_bias.is_floating_point()):
-        raise ValueError(f"added_bias must be a floating-point (3, heads, head_dim) = {tuple(qkv.shape[1:])} tensor "
-                         f"on {qkv.device} (the QKV projection's bias viewed so), got {tuple(added_bias.shape)} "
-                         f"{added_bias.dtype} on {added_bias.device}")
-
-
-def varlen_attention_qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, seed=None,
-                               added_bias=None):
+def varlen_attention_qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, seed=None):
     """:func:`varlen_attention` on one packed ``qkv`` of shape ``(total_tokens, 3, heads, head_dim)``
-    (the fused QKV projection's output viewed as such); the gradient comes back packed too.
-
-    ``added_bias``: None, or the bias ``(3, heads, head_dim)`` that the projection has already added to
-    ``qkv`` while leaving its gradient to this op (the projection ran with the bias detached). The output
-    does not change; the backward returns the bias's gradient, the column sums of ``dqkv``, summed inside the
-    attention kernels (no reduction pass over ``dqkv``); the key bias's part is exactly 0 (softmax ignores a
-    shift shared by a query's scores; autograd's sum gives rounding noise there). Every use of ``qkv`` must
-    then go through this op."""
+    (the fused QKV projection's output viewed as such); the gradient comes back packed too."""
     if qkv.dim() != 4 or qkv.shape[1] != 3:
         raise ValueError(f"qkv must be (total_tokens, 3, heads, head_dim), got {tuple(qkv.shape)}")
     q, k, v = qkv.unbind(1)
     _check_inputs(q, k, v, cu_seqlens, dropout_p)
-    _check_added_bias(added_bias, qkv)
     cast = autocast_dtype(qkv.device)
     if cast is not None and qkv.dtype == torch.float32:
         qkv = qkv.to(cast)
     scale, seed = _scale_and_seed(qkv.shape[-1], softmax_scale, dropout_p, seed, qkv.device)
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
-    return VarlenAttentionQKVPackedFunction.apply(qkv, added_bias, cu_seqlens, max_seqlen, float(dropout_p), scale,
-                                                  seed)
+    return VarlenAttentionQKVPackedFunction.apply(qkv, cu_seqlens, max_seqlen, float(dropout_p), scale, seed)
 
 
-def varlen_attention_qkvpacked_ref(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, seed=None,
-                                   added_bias=None):
+def varlen_attention_qkvpacked_ref(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, seed=None):
     """Reference for :func:`varlen_attention_qkvpacked`."""
-    if added_bias is not None:
-        _check_added_bias(added_bias, qkv)
-        # + 0 in value (exactly: qkv unchanged), while the bias's gradient becomes dqkv's column sums
-        qkv = (qkv + (added_bias - added_bias.detach())).to(qkv.dtype)
     q, k, v = qkv.unbind(1)
     return varlen_attention_ref(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed)

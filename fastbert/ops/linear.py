@@ -83,7 +83,7 @@ class LinearResidualFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         w, b = autocast_inputs(weight, bias)
         ctx.save_for_backward(x, w)
-        ctx.bias_grad, ctx.wdtype = ctx.needs_input_grad[2], weight.dtype  # no reduction for a detached bias
+        ctx.bias_grad, ctx.wdtype = ctx.needs_input_grad[2], weight.dtype  # no reduction for a frozen bias
         ctx.set_materialize_grads(False)  # an unused second output gives dres None, not a tensor of zeros
         return F.linear(x, w, b), x
 

@@ -219,62 +219,6 @@ def test_dropout_backward_consistent_with_mask(backward_path):
     torch.testing.assert_close(grad, grad_r, rtol=1e-4, atol=1e-5)
 
 
-# ---------------------------------------------------------------------------------- the QKV bias's gradient
-def bias_case(lengths, dtype, bias_dtype, heads=2, head_dim=32, device=DEVICE, seed=4):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(sum(lengths), 3, heads, head_dim, generator=g).to(device, dtype)
-    bias = torch.randn(3, heads, head_dim, generator=g).to(device, bias_dtype)
-    dout = torch.randn(sum(lengths), heads, head_dim, generator=g).to(device, dtype)
-    return cu_seqlens_of(lengths, device), x, bias, dout
-
-
-def bias_grads(fn, x, bias, cu, max_seqlen, dout, **kw):
-    """(out, dx, dbias) of attention over ``qkv = x + bias``: the bias added outside, then handed to ``fn`` as
-    ``added_bias`` (its gradient comes from there; ``added_bias=False``: from autograd's sum instead)."""
-    leaves = [x.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()]
-    sink = kw.pop("added_bias", True)
-    qkv = (leaves[0] + (leaves[1].detach() if sink else leaves[1])).to(x.dtype)
-    out = fn(qkv, cu, max_seqlen, added_bias=leaves[1] if sink else None, **kw)
-    return (out, *torch.autograd.grad(out, leaves, dout))
-
-
-@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_added_bias_gradient_is_the_column_sums(dtype, dropout_p, backward_path):
-    """``added_bias`` leaves the output as it is and returns the bias's gradient, the column sums of dqkv
-    (summed in fp32 inside the kernels); empty, one-token and past-the-block sequences add nothing else."""
-    from fastbert.ops.attention import varlen_attention_qkvpacked, varlen_attention_qkvpacked_ref
-    lengths = [0, 1, 37, 5, 0, 70]
-    cu, x, bias, dout = bias_case(lengths, dtype, dtype)
-    kw = dict(dropout_p=dropout_p, seed=17)
-    out, dx, dbias = bias_grads(varlen_attention_qkvpacked, x, bias, cu, 70, dout, **kw)
-    out2, dx2, dbias2 = bias_grads(varlen_attention_qkvpacked, x, bias, cu, 70, dout, added_bias=False, **kw)
-    torch.testing.assert_close(out, out2, rtol=0, atol=0)
-    torch.testing.assert_close(dx, dx2, rtol=0, atol=0)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2  # fp32: another order; fp16: sums of unrounded dq/dv
-    for i in (0, 2):
-        torch.testing.assert_close(dbias[i].float(), dbias2[i].float(), rtol=tol, atol=tol)
-    # The key bias: exactly 0 (softmax is shift-invariant per query); autograd's sum of the rounded dk is noise.
-    assert (dbias[1] == 0).all() and dbias2[1].abs().max() < 0.02 * dbias2.abs().max()
-    if dropout_p == 0.0:  # the reference's added_bias: the same gradients
-        want = bias_grads(varlen_attention_qkvpacked_ref, x.double(), bias.double(), cu, 70, dout.double())
-        for got, ref in zip((out, dx, dbias), want):
-            tol = 2e-2 if dtype == torch.float16 else 1e-5
-            torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol)
-
-
-def test_added_bias_fp32_beside_16bit_qkv_and_bad_shapes():
-    """Under autocast the bias is the fp32 parameter beside 16-bit qkv: its gradient comes back fp32."""
-    from fastbert.ops.attention import varlen_attention_qkvpacked
-    cu, x, bias, dout = bias_case([9, 30], torch.float16, torch.float32)
-    out, dx, dbias = bias_grads(varlen_attention_qkvpacked, x, bias, cu, 30, dout)
-    assert out.dtype == torch.float16 and dbias.dtype == torch.float32
-    want = bias_grads(varlen_attention_qkvpacked, x, bias, cu, 30, dout, added_bias=False)[2]
-    torch.testing.assert_close(dbias[0::2], want[0::2], rtol=1e-2, atol=1e-2)
-    with pytest.raises(ValueError, match="added_bias"):
-        varlen_attention_qkvpacked(x, cu, 30, added_bias=bias.view(-1))
-
-
 # ---------------------------------------------------------------------------------- torch.compile
 def test_custom_ops_pass_opcheck_and_compile():
     import fastbert.ops.attention as attn
@@ -289,9 +233,7 @@ def test_custom_ops_pass_opcheck_and_compile():
     for p, s in ((0.0, None), (0.1, seed)):
         torch.library.opcheck(torch.ops.fastbert.varlen_attention_fwd.default, (q, k, v, cu, 20, p, 0.2, s))
         out, lse = attn.varlen_attention_forward(q, k, v, cu, 20, p, 0.2, s)
-        for bias in (None, torch.randn(3, 2, 32)):
-            torch.library.opcheck(torch.ops.fastbert.varlen_attention_bwd.default,
-                                  (torch.randn_like(out), q, k, v, out, lse, cu, 20, p, 0.2, s, bias))
+        torch.library.opcheck(torch.ops.fastbert.varlen_attention_bwd.default, (torch.randn_like(out), q, k, v, out, lse, cu, 20, p, 0.2, s))
 
     def f(x):
         return varlen_attention(*x.unbind(1), cu, 20, dropout_p=0.1, seed=5)
@@ -361,23 +303,3 @@ def test_qkvpacked_equals_separate_views(dropout_p):
     if dropout_p == 0.0:
         ref = varlen_attention_qkvpacked_ref(qkv.detach().double(), cu, 17)
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("seq", [128, 512])
-def test_gpu_added_bias_bert_large(seq):
-    """bf16 qkv, fp32 bias (autocast's pairing) at BERT-large's heads, both backward paths: the bias gradient
-    summed in the kernels within bf16 error of an fp64 reference's, as close as summing the bf16 dqkv."""
-    from fastbert.ops.attention import varlen_attention_qkvpacked, varlen_attention_qkvpacked_ref
-    g = torch.Generator().manual_seed(seq)
-    lengths = [1, seq, seq // 2] + torch.randint(1, seq + 1, (29,), generator=g).tolist()
-    cu, x, bias, dout = bias_case(lengths, torch.bfloat16, torch.float32, heads=16, head_dim=64, device="cuda")
-    dbias = bias_grads(varlen_attention_qkvpacked, x, bias, cu, seq, dout, dropout_p=0.1)[2]
-    assert dbias.dtype == torch.float32 and torch.isfinite(dbias).all()
-    out, dx, dbias = bias_grads(varlen_attention_qkvpacked, x, bias, cu, seq, dout)
-    same = bias_grads(varlen_attention_qkvpacked, x, bias, cu, seq, dout, added_bias=False)
-    torch.testing.assert_close(out, same[0], rtol=0, atol=0)
-    torch.testing.assert_close(dx, same[1], rtol=0, atol=0)
-    ref = bias_grads(varlen_attention_qkvpacked_ref, x.double(), bias.double(), cu, seq, dout.double())[2]
-    assert (dbias.double() - ref).abs().max() <= 2 * (same[2].double() - ref).abs().max() + 1e-3
-    assert (dbias[1] == 0).all() and ref[1].abs().max() < 1e-6 * ref.abs().max()  # the key bias's: exactly 0
