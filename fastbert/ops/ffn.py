@@ -249,8 +249,8 @@ def ffn_fwd(x, w1, b1, w2, approximate, store_pre):
 
 def ffn_bwd(dout, dres, x, w1, b1, w2, y, z, approximate, wdtype):
     """``(dx, dw1, db1, dw2)``, the parameters' in ``wdtype`` (``linear.py``); db1 is empty when ``b1`` is None.
-    ``dres``: the gradient that reached x
-    through the residual connection (or None), added to dx inside its GEMM. With the tanh GELU on eligible operands
+    ``dres``: the gradient that reached x through the residual connection (or None), added to dx inside its
+    GEMM. With the tanh GELU on eligible operands
     the down-projection's input-gradient GEMM applies GELU's derivative in its epilogue (cuBLASLt) and
     d(b1) is one reduction; otherwise that GEMM, then :func:`gelu_bwd` (which reduces d(b1) too).
     cuBLASLt's own d(bias) epilogue here runs as a separate 0.6 ms kernel on an H100, so it is not used."""
