@@ -139,7 +139,7 @@ def linear_bias_gelu_fwd(x, weight, bias, approximate, store_pre):
     return y.view(out_shape), z.view(out_shape) if store_pre else z.new_empty((0,))
 
 
-def gelu_bwd(dy, z, approximate, with_bias_grad=True):
+def gelu_bwd(dy, z, approximate):
     """``(dz, dbias)`` for ``y = gelu(z)``: dz like z, dbias the fp32 column sums of dz."""
     n = z.shape[-1]
     dy2 = dy.reshape(-1, n)
