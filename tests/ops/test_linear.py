@@ -53,6 +53,26 @@ def test_backward_op_and_compile():
     assert_compiled_matches_eager(f, (x.to(DEVICE), w.to(DEVICE), b.to(DEVICE)))
 
 
+def test_frozen_bias_gets_no_gradient_and_the_rest_is_unchanged(monkeypatch):
+    """A bias that takes no gradient (frozen) is added but not reduced in the backward; x and the weight get
+    the reference's gradients."""
+    import fastbert.ops.linear as lin
+
+    def no_reduction(*a):
+        raise AssertionError("the backward reduced a frozen bias")
+    monkeypatch.setattr(lin, "bias_grad", no_reduction)
+    x, w, b, dy, dres = make(11, 16, 24)
+    leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+    frozen = b.clone()
+    y, passed = linear_residual(leaves[0], leaves[1], frozen)
+    got = torch.autograd.grad((y * dy).sum() + (passed * dres).sum(), leaves)
+    want = grads(linear_residual_ref, x, w, b, dy, dres, torch.float64)
+    torch.testing.assert_close(y, want[0])
+    for a, e in zip(got, want[1:3]):
+        torch.testing.assert_close(a, e)
+    assert frozen.grad is None
+
+
 def test_cast_copy_never_stands_in_for_x():
     """Under autocast an fp32 x is cast for the GEMM; the residual must still get x itself (fp32)."""
     x, w, b, _, _ = make(8, 16, 24, torch.float32)
