@@ -270,14 +270,13 @@ def sweep(which: str) -> dict:
     results = {}
     for case, bucket, plan in plans:
         q, k, v = case.qkv.detach().unbind(1)
-        args = (case.cu_seqlens, max(case.lengths), 0.0, 1 / math.sqrt(case.head_dim), 0)
-        train = (case.cu_seqlens, max(case.lengths), 0.1, 1 / math.sqrt(case.head_dim),
-                 dropout_seed(0.1, 0, q.device))
-        out, lse = attn.varlen_attention_forward(q, k, v, *args)
-        out_d, lse_d = attn.varlen_attention_forward(q, k, v, *train)
-        fwd = lambda: attn.varlen_attention_forward(q, k, v, *args)  # noqa: E731
-        bwd = lambda: attn._backward_packed(case.dout, q, k, v, out_d, lse_d, *train)  # noqa: E731
-        bwd_p0 = lambda: attn._backward_packed(case.dout, q, k, v, out, lse, *args)  # noqa: E731
+        args = (case.cu_seqlens, max(case.lengths), 0.0, 1 / math.sqrt(case.head_dim))
+        train = (case.cu_seqlens, max(case.lengths), 0.1, 1 / math.sqrt(case.head_dim))
+        out, lse, mask = attn.varlen_attention_forward(q, k, v, *args, 0)
+        out_d, lse_d, mask_d = attn.varlen_attention_forward(q, k, v, *train, dropout_seed(0.1, 0, q.device))
+        fwd = lambda: attn.varlen_attention_forward(q, k, v, *args, 0)  # noqa: E731
+        bwd = lambda: attn._backward_packed(case.dout, q, k, v, out_d, lse_d, mask_d, *train)  # noqa: E731
+        bwd_p0 = lambda: attn._backward_packed(case.dout, q, k, v, out, lse, mask, *args)  # noqa: E731
         key = case_name(case)
         results[key] = {}
         for kind, candidates in plan.items():

@@ -248,32 +248,49 @@ def drop_threshold(dropout_p: float) -> int:
 
 
 @triton.jit
-def dropout_keep(seed, rows, col_start, n_cols, threshold, BLOCK_N: tl.constexpr):
-    """Keep-mask (True = kept) of shape (len(rows), BLOCK_N) for columns col_start + [0, BLOCK_N).
+def dropout_bits(seed, rows, col_start, n_cols, threshold, BLOCK_N: tl.constexpr):
+    """The keep-mask of columns col_start + [0, BLOCK_N) packed into bytes: a uint8 tile (len(rows),
+    BLOCK_N // 8) whose byte j holds columns col_start + 8j + [0, 8), column 8j + k in bit k (1 = kept).
 
     One Philox call yields four 32-bit numbers, eight 16-bit halves; they serve eight consecutive
     columns (counter = row * ceil(n_cols / 8) + col // 8; column 8j + k takes half k % 2, low first, of
     number k // 2), so dropout costs a kernel an eighth of a Philox call per element: memory-bound
     kernels stay memory-bound, and attention's score tiles spend little on it. ``seed`` is an integer
     (the attention kernels put their (sequence, head) stream in its high 32 bits); ``col_start`` must
-    be a multiple of 8 and BLOCK_N >= 8.
+    be a multiple of 8 and BLOCK_N >= 8. A kernel that stores these bytes lets its backward read the
+    mask instead of drawing it again (attention).
     """
     groups = col_start // 8 + tl.arange(0, BLOCK_N // 8)
     counters = rows.to(tl.int64)[:, None] * ((n_cols + 7) // 8) + groups[None, :]
     r0, r1, r2, r3 = tl.randint4x(seed, counters)
     thr = threshold.to(tl.uint32)
-    k0 = ((r0 & 0xFFFF) >= thr).to(tl.int8)
-    k1 = ((r0 >> 16) >= thr).to(tl.int8)
-    k2 = ((r1 & 0xFFFF) >= thr).to(tl.int8)
-    k3 = ((r1 >> 16) >= thr).to(tl.int8)
-    k4 = ((r2 & 0xFFFF) >= thr).to(tl.int8)
-    k5 = ((r2 >> 16) >= thr).to(tl.int8)
-    k6 = ((r3 & 0xFFFF) >= thr).to(tl.int8)
-    k7 = ((r3 >> 16) >= thr).to(tl.int8)
-    # interleave(a, b) puts a at the even columns, b at the odd ones: column 8j + k takes k_k[j]
-    even = tl.interleave(tl.interleave(k0, k4), tl.interleave(k2, k6))
-    odd = tl.interleave(tl.interleave(k1, k5), tl.interleave(k3, k7))
+    bits = ((r0 & 0xFFFF) >= thr).to(tl.uint32)
+    bits |= ((r0 >> 16) >= thr).to(tl.uint32) << 1
+    bits |= ((r1 & 0xFFFF) >= thr).to(tl.uint32) << 2
+    bits |= ((r1 >> 16) >= thr).to(tl.uint32) << 3
+    bits |= ((r2 & 0xFFFF) >= thr).to(tl.uint32) << 4
+    bits |= ((r2 >> 16) >= thr).to(tl.uint32) << 5
+    bits |= ((r3 & 0xFFFF) >= thr).to(tl.uint32) << 6
+    bits |= ((r3 >> 16) >= thr).to(tl.uint32) << 7
+    return bits.to(tl.uint8)
+
+
+@triton.jit
+def keep_from_bits(bits):
+    """The bool keep-mask (rows, 8 * bytes) of a :func:`dropout_bits` tile (rows, bytes)."""
+    b = bits.to(tl.int32)
+    # interleave(a, b) puts a at the even columns, b at the odd ones: column 8j + k takes bit k of byte j
+    even = tl.interleave(tl.interleave(b & 1, (b >> 4) & 1), tl.interleave((b >> 2) & 1, (b >> 6) & 1))
+    odd = tl.interleave(tl.interleave((b >> 1) & 1, (b >> 5) & 1), tl.interleave((b >> 3) & 1, (b >> 7) & 1))
     return tl.interleave(even, odd) != 0
+
+
+@triton.jit
+def dropout_keep(seed, rows, col_start, n_cols, threshold, BLOCK_N: tl.constexpr):
+    """Keep-mask (True = kept) of shape (len(rows), BLOCK_N) for columns col_start + [0, BLOCK_N): the
+    :func:`dropout_bits` draw, unpacked."""
+    return keep_from_bits(dropout_bits(seed, rows, col_start, n_cols, threshold, BLOCK_N))
+
 
 
 @triton.jit(do_not_specialize=["threshold"])

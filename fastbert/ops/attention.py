@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from fastbert.ops._common import (
-    autocast_dtype, check_dropout_p, check_triton_device, drop_threshold, dropout_keep, dropout_seed, register_op, tl,
-    triton)
+    autocast_dtype, check_dropout_p, check_triton_device, drop_threshold, dropout_bits, dropout_seed,
+    keep_from_bits, register_op, tl, triton)
 from fastbert.padding import unpad_by_seqlens, pad, unpad
 
 
@@ -59,10 +59,11 @@ def varlen_attention_ref(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax
 
 # ============================================================================ Triton kernels
 _LOG2E = 1.4426950408889634
-# Dropout (``_common.dropout_keep``): one Philox call per 8 adjacent (query, key) pairs of a sequence. The
+# Dropout (``_common.dropout_bits``): one Philox call per 8 adjacent (query, key) pairs of a sequence. The
 # counter is ``row * ceil(max_seqlen / 8) + col // 8`` (local to the sequence) and the key is the seed (read
-# from the seed tensor) in the low 32 bits plus the (sequence, head) stream in the high 32 bits, so forward
-# and backward regenerate the same mask whatever block sizes they use (key blocks start at multiples of 8).
+# from the seed tensor) in the low 32 bits plus the (sequence, head) stream in the high 32 bits (key blocks
+# start at multiples of 8). The forward stores the mask it drew as bits, ``(heads, T, ceil(max_seqlen / 8))``
+# uint8 (a 1/16 of a bf16 score matrix); the backward reads them (``_stored_keep``) instead of drawing again.
 _STREAM_SHIFT = tl.constexpr(2**32)  # kernels read only constexpr globals
 
 
@@ -74,21 +75,33 @@ def _load_rows(P, start64, head, stride_t, stride_h, offs, offs_d, mask):
 
 
 @triton.jit
-def _attention_keep(SEED, stream, row0, col0, ROWS: tl.constexpr, COLS: tl.constexpr, max_seqlen, threshold):
-    """Keep-mask of the ``(ROWS, COLS)`` tile at (row0, col0) of one (sequence, head) stream."""
+def _attention_bits(SEED, stream, row0, col0, ROWS: tl.constexpr, COLS: tl.constexpr, max_seqlen, threshold):
+    """Keep-mask bits (``dropout_bits``) of the ``(ROWS, COLS)`` tile at (row0, col0) of one (sequence, head)
+    stream."""
     key = tl.load(SEED).to(tl.int64) + stream.to(tl.int64) * _STREAM_SHIFT
-    return dropout_keep(key, row0 + tl.arange(0, ROWS), col0, max_seqlen, threshold, COLS)
+    return dropout_bits(key, row0 + tl.arange(0, ROWS), col0, max_seqlen, threshold, COLS)
+
+
+@triton.jit
+def _stored_keep(mask_base, rows, col0, COLS: tl.constexpr, stride_mask_t, row_mask, seqlen):
+    """Keep-mask ``(len(rows), COLS)`` of keys col0 + [0, COLS) read from the forward's bits (a bits tile, then
+    the unpacking ``dropout_keep`` uses: fewer registers and instructions than a load per element)."""
+    groups = col0 // 8 + tl.arange(0, COLS // 8)
+    bits = tl.load(mask_base + rows.to(tl.int64)[:, None] * stride_mask_t + groups[None, :],
+                   mask=row_mask[:, None] & (groups * 8 < seqlen)[None, :], other=0)
+    return keep_from_bits(bits)
 
 
 @triton.jit(do_not_specialize=["max_seqlen", "threshold"])
 def _fwd_kernel(
-    Q, K, V, O, LSE, CU_SEQLENS,
+    Q, K, V, O, LSE, MASK, CU_SEQLENS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_lse_h, nheads, qk_scale, threshold, keep_scale, SEED, max_seqlen,
+    stride_lse_h, stride_mask_h, stride_mask_t, nheads, qk_scale, threshold, keep_scale, SEED, max_seqlen,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One program = one block of BLOCK_M queries of one (sequence, head); grid (q-block, seq, head)."""
+    """One program = one block of BLOCK_M queries of one (sequence, head); grid (q-block, seq, head). With
+    dropout it also stores the mask's bits for the backward (MASK)."""
     pid_m = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
@@ -112,6 +125,7 @@ def _fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     stream = seq * nheads + head
+    mask_base = MASK + head.to(tl.int64) * stride_mask_h + start64 * stride_mask_t
     for start_n in range(0, seqlen, BLOCK_N):
         cols = start_n + offs_n
         mask_n = cols < seqlen
@@ -128,8 +142,11 @@ def _fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if HAS_DROPOUT:
-            keep = _attention_keep(SEED, stream, pid_m * BLOCK_M, start_n, BLOCK_M, BLOCK_N, max_seqlen, threshold)
-            p = tl.where(keep, p, 0.0)
+            bits = _attention_bits(SEED, stream, pid_m * BLOCK_M, start_n, BLOCK_M, BLOCK_N, max_seqlen, threshold)
+            groups = start_n // 8 + tl.arange(0, BLOCK_N // 8)
+            tl.store(mask_base + offs_m[:, None] * stride_mask_t + groups[None, :], bits,
+                     mask=mask_m[:, None] & (groups * 8 < seqlen)[None, :])
+            p = tl.where(keep_from_bits(bits), p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -142,12 +159,12 @@ def _fwd_kernel(
     tl.store(LSE + head * stride_lse_h + start + offs_m, m_i + tl.math.log2(l_safe), mask=mask_m)
 
 
-@triton.jit(do_not_specialize=["max_seqlen", "threshold"])
+@triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, O, DO, LSE, DELTA, DQ, DK, DV, CU_SEQLENS,
+    Q, K, V, O, DO, LSE, DELTA, MASK, DQ, DK, DV, CU_SEQLENS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_ot, stride_oh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-    stride_lse_h, nheads, qk_scale, softmax_scale, threshold, keep_scale, SEED, max_seqlen, min_len,
+    stride_lse_h, stride_mask_h, stride_mask_t, qk_scale, softmax_scale, keep_scale, min_len,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED_DQ: tl.constexpr,
 ):
@@ -185,7 +202,7 @@ def _bwd_dkdv_kernel(
     delta_base = DELTA + head * stride_lse_h + start
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    stream = seq * nheads + head
+    mask_base = MASK + head.to(tl.int64) * stride_mask_h + start64 * stride_mask_t
     for start_m in range(0, seqlen, BLOCK_M):
         rows = start_m + offs_m
         mask_m = rows < seqlen
@@ -204,8 +221,7 @@ def _bwd_dkdv_kernel(
         pT = tl.where(mask_n[:, None] & mask_m[None, :], pT, 0.0)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (dO V^T)^T
         if HAS_DROPOUT:
-            keepT = tl.trans(_attention_keep(SEED, stream, start_m, pid_n * BLOCK_N, BLOCK_M, BLOCK_N, max_seqlen,
-                                             threshold))
+            keepT = tl.trans(_stored_keep(mask_base, rows, pid_n * BLOCK_N, BLOCK_N, stride_mask_t, mask_m, seqlen))
             dv = tl.dot(tl.where(keepT, pT * keep_scale, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
             dpT = tl.where(keepT, dpT * keep_scale, 0.0)
         else:
@@ -224,12 +240,12 @@ def _bwd_dkdv_kernel(
              dv.to(DV.dtype.element_ty), mask=mask_nd)
 
 
-@triton.jit(do_not_specialize=["max_seqlen", "threshold"])
+@triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, O, DO, LSE, DELTA, DQ, CU_SEQLENS,
+    Q, K, V, O, DO, LSE, DELTA, MASK, DQ, CU_SEQLENS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_ot, stride_oh, stride_dqt, stride_dqh,
-    stride_lse_h, nheads, qk_scale, softmax_scale, threshold, keep_scale, SEED, max_seqlen,
+    stride_lse_h, stride_mask_h, stride_mask_t, qk_scale, softmax_scale, keep_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -265,7 +281,7 @@ def _bwd_dq_kernel(
     k_base = K + start64 * stride_kt + head * stride_kh
     v_base = V + start64 * stride_vt + head * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    stream = seq * nheads + head
+    mask_base = MASK + head.to(tl.int64) * stride_mask_h + start64 * stride_mask_t
     for start_n in range(0, seqlen, BLOCK_N):
         cols = start_n + offs_n
         mask_n = cols < seqlen
@@ -277,7 +293,7 @@ def _bwd_dq_kernel(
         p = tl.where(mask_m[:, None] & mask_n[None, :], p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
-            keep = _attention_keep(SEED, stream, pid_m * BLOCK_M, start_n, BLOCK_M, BLOCK_N, max_seqlen, threshold)
+            keep = _stored_keep(mask_base, offs_m, start_n, BLOCK_N, stride_mask_t, mask_m, seqlen)
             dp = tl.where(keep, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
@@ -352,34 +368,48 @@ def _kernel_constants(q: torch.Tensor, dropout_p: float) -> dict:
                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
 
 
+def _mask_shape(total, nheads, max_seqlen, dropout_p: float):
+    """The shape of the forward's dropout-mask bits: ``(nh, T, ceil(max_seqlen / 8))``, or ``(0,)`` without dropout."""
+    return (nheads, total, (max_seqlen + 7) // 8) if dropout_p > 0.0 else (0,)
+
+
 def varlen_attention_forward(q, k, v, cu_seqlens, max_seqlen: int, dropout_p: float, softmax_scale: float,
                              seed):
-    """Returns ``out`` ``(T, nh, hd)`` and the log-sum-exp in log2 units ``(nh, T)`` fp32."""
+    """Returns ``out`` ``(T, nh, hd)``, the log-sum-exp in log2 units ``(nh, T)`` fp32 and the dropout mask's
+    bits (``_mask_shape``) that the backward reads."""
     total, nheads, head_dim = q.shape
     out = torch.empty((total, nheads, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((nheads, total), dtype=torch.float32, device=q.device)
+    # zeros: bytes past a short sequence's end are never written (a memset of 1/16 of a bf16 score matrix)
+    mask = torch.zeros(_mask_shape(total, nheads, max_seqlen, dropout_p), dtype=torch.uint8, device=q.device)
     batch = cu_seqlens.shape[0] - 1
     if total == 0 or batch == 0 or max_seqlen == 0:
-        return out, lse
+        return out, lse, mask
     block_m, block_n, warps, stages = _launch_config("fwd", head_dim, max_seqlen, q.device)
     grid = (triton.cdiv(max_seqlen, block_m), batch, nheads)
     _fwd_kernel[grid](
-        q, k, v, out, lse, cu_seqlens,
+        q, k, v, out, lse, mask, cu_seqlens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        lse.stride(0), nheads, softmax_scale * _LOG2E, *_dropout_args(dropout_p), seed, max_seqlen,
+        lse.stride(0), *_mask_strides(mask), nheads, softmax_scale * _LOG2E, *_dropout_args(dropout_p), seed,
+        max_seqlen,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **_kernel_constants(q, dropout_p))
-    return out, lse
+    return out, lse, mask
 
 
-def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, dropout_p: float,
-                              softmax_scale: float, seed):
-    """Returns ``dq, dk, dv``, each ``(T, nh, hd)``: views of one ``(T, 3, nh, hd)`` buffer."""
-    return _backward_packed(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, softmax_scale,
-                            seed).unbind(1)
+def _mask_strides(mask):
+    return (mask.stride(0), mask.stride(1)) if mask.dim() == 3 else (0, 0)
 
 
-def _backward_packed(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, dropout_p: float, softmax_scale: float,
-                     seed):
+def varlen_attention_backward(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen: int, dropout_p: float,
+                              softmax_scale: float):
+    """Returns ``dq, dk, dv``, each ``(T, nh, hd)``: views of one ``(T, 3, nh, hd)`` buffer. ``out``, ``lse``
+    and ``mask`` are the forward's."""
+    return _backward_packed(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen, dropout_p,
+                            softmax_scale).unbind(1)
+
+
+def _backward_packed(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen: int, dropout_p: float,
+                     softmax_scale: float):
     """The gradients as one ``(T, 3, nh, hd)`` tensor (custom ops may not return aliasing outputs)."""
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
@@ -391,8 +421,8 @@ def _backward_packed(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, dropo
         return dqkv
     consts = _kernel_constants(q, dropout_p)
     blocks = _short_bwd_blocks(head_dim, max_seqlen)
-    common = (lse.stride(0), nheads, softmax_scale * _LOG2E, softmax_scale, *_dropout_args(dropout_p), seed,
-              max_seqlen)
+    common = (lse.stride(0), *_mask_strides(mask), softmax_scale * _LOG2E, softmax_scale,
+              _dropout_args(dropout_p)[1])
     strides_in = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                   dout.stride(0), dout.stride(1), out.stride(0), out.stride(1), dq.stride(0), dq.stride(1))
     strides_kv = (dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1))
@@ -401,7 +431,7 @@ def _backward_packed(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, dropo
         for block in blocks:
             block_m, warps, stages = _short_bwd_launch(block, q.device)
             _bwd_dkdv_kernel[(1, batch, nheads)](
-                q, k, v, out, dout, lse, lse, dq, dk, dv, cu_seqlens, *strides_in, *strides_kv, *common, min_len,
+                q, k, v, out, dout, lse, lse, mask, dq, dk, dv, cu_seqlens, *strides_in, *strides_kv, *common, min_len,
                 BLOCK_M=block_m, BLOCK_N=block, FUSED_DQ=True, num_warps=warps, num_stages=stages, **consts)
             min_len = block
         return dqkv
@@ -409,13 +439,13 @@ def _backward_packed(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, dropo
 
     block_m, block_n, warps, stages = _launch_config("dq", head_dim, max_seqlen, q.device)
     _bwd_dq_kernel[(triton.cdiv(max_seqlen, block_m), batch, nheads)](  # writes delta: runs first
-        q, k, v, out, dout, lse, delta, dq, cu_seqlens, *strides_in[:8], out.stride(0), out.stride(1),
+        q, k, v, out, dout, lse, delta, mask, dq, cu_seqlens, *strides_in[:8], out.stride(0), out.stride(1),
         dq.stride(0), dq.stride(1), *common,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **consts)
 
     block_m, block_n, warps, stages = _launch_config("dkdv", head_dim, max_seqlen, q.device)
     _bwd_dkdv_kernel[(triton.cdiv(max_seqlen, block_n), batch, nheads)](
-        q, k, v, out, dout, lse, delta, dq, dk, dv, cu_seqlens, *strides_in, *strides_kv, *common, 0,
+        q, k, v, out, dout, lse, delta, mask, dq, dk, dv, cu_seqlens, *strides_in, *strides_kv, *common, 0,
         BLOCK_M=block_m, BLOCK_N=block_n, FUSED_DQ=False, num_warps=warps, num_stages=stages, **consts)
     return dqkv
 
@@ -423,10 +453,11 @@ def _backward_packed(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, dropo
 # ============================================================================ torch custom ops
 def _fwd_fake(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
     total, nheads, head_dim = q.shape
-    return q.new_empty((total, nheads, head_dim)), q.new_empty((nheads, total), dtype=torch.float32)
+    return (q.new_empty((total, nheads, head_dim)), q.new_empty((nheads, total), dtype=torch.float32),
+            q.new_empty(_mask_shape(total, nheads, max_seqlen, dropout_p), dtype=torch.uint8))
 
 
-def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
+def _bwd_fake(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen, dropout_p, softmax_scale):
     total, nheads, head_dim = q.shape
     return q.new_empty((total, 3, nheads, head_dim))
 
@@ -434,12 +465,12 @@ def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, softma
 _fwd_op = register_op(
     "varlen_attention_fwd",
     "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, SymInt max_seqlen, float dropout_p, float softmax_scale, "
-    "Tensor? seed) -> (Tensor, Tensor)",
+    "Tensor? seed) -> (Tensor, Tensor, Tensor)",
     varlen_attention_forward, _fwd_fake)
 _bwd_op = register_op(
     "varlen_attention_bwd",
-    "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens, SymInt max_seqlen, "
-    "float dropout_p, float softmax_scale, Tensor? seed) -> Tensor",
+    "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor mask, Tensor cu_seqlens, "
+    "SymInt max_seqlen, float dropout_p, float softmax_scale) -> Tensor",
     _backward_packed, _bwd_fake)
 
 
@@ -447,15 +478,15 @@ _bwd_op = register_op(
 class VarlenAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
-        out, lse = _fwd_op(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-        ctx.args = (max_seqlen, dropout_p, softmax_scale, seed)
+        out, lse, mask = _fwd_op(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed)
+        ctx.save_for_backward(q, k, v, out, lse, mask, cu_seqlens)
+        ctx.args = (max_seqlen, dropout_p, softmax_scale)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-        dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, cu_seqlens, *ctx.args).unbind(1)  # (T, nh, hd) each
+        q, k, v, out, lse, mask, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, mask, cu_seqlens, *ctx.args).unbind(1)  # (T, nh, hd) each
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -467,16 +498,16 @@ class VarlenAttentionQKVPackedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
         q, k, v = qkv.unbind(1)  # (T, nh, hd) views
-        out, lse = _fwd_op(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed)
-        ctx.save_for_backward(qkv, out, lse, cu_seqlens)
-        ctx.args = (max_seqlen, dropout_p, softmax_scale, seed)
+        out, lse, mask = _fwd_op(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed)
+        ctx.save_for_backward(qkv, out, lse, mask, cu_seqlens)
+        ctx.args = (max_seqlen, dropout_p, softmax_scale)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        qkv, out, lse, cu_seqlens = ctx.saved_tensors
+        qkv, out, lse, mask, cu_seqlens = ctx.saved_tensors
         q, k, v = qkv.unbind(1)
-        return _bwd_op(dout, q, k, v, out, lse, cu_seqlens, *ctx.args), None, None, None, None, None
+        return _bwd_op(dout, q, k, v, out, lse, mask, cu_seqlens, *ctx.args), None, None, None, None, None
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -189,6 +189,26 @@ def test_dropout_same_seed_reproducible():
     assert torch.equal(out_d, out_e)
 
 
+def test_forward_stores_the_mask_it_applied_as_bits():
+    """The backward reads the forward's mask bits instead of drawing again: bit k of byte j of row (h, t)
+    must be the keep decision for key 8j + k of query t, head h, as the forward applied it."""
+    import fastbert.ops.attention as attn
+
+    lengths, heads, p, seed = [70, 9, 1, 33], 2, 0.3, 5
+    keep, _ = dropout_mask(lengths, heads, p, seed)                          # (T, nh, maxlen)
+    total, max_seqlen = sum(lengths), max(lengths)
+    q = torch.zeros(total, heads, 32, device=DEVICE)
+    _, _, bits = attn.varlen_attention_forward(q, q, q, cu_seqlens_of(lengths), max_seqlen, p, 1.0,
+                                               torch.tensor([seed], dtype=torch.int64, device=DEVICE))
+    assert bits.shape == (heads, total, (max_seqlen + 7) // 8) and bits.dtype == torch.uint8
+    unpacked = (bits.long().unsqueeze(-1) >> torch.arange(8, device=bits.device)) & 1   # (nh, T, bytes, 8)
+    unpacked = unpacked.flatten(2)[..., :max_seqlen].permute(1, 0, 2).bool()           # (T, nh, maxlen)
+    valid = torch.cat([torch.arange(max_seqlen) < n for n in lengths for _ in range(n)]).view(total, 1, -1)
+    valid = valid.expand_as(keep).to(keep.device)
+    assert torch.equal(unpacked[valid], keep[valid])
+    assert 0.6 < keep[valid].float().mean() < 0.8
+
+
 def masked_reference(qkv, cu, max_seqlen, keep, p, dout, scale):
     """fp32 padded reference with an explicit keep-mask ``(T, nh, maxlen)`` (key index per query)."""
     from fastbert.padding import pad, unpad, unpad_by_seqlens
@@ -232,8 +252,10 @@ def test_custom_ops_pass_opcheck_and_compile():
     seed = torch.tensor([3], dtype=torch.int64)  # the seed travels as a device tensor (None: no dropout)
     for p, s in ((0.0, None), (0.1, seed)):
         torch.library.opcheck(torch.ops.fastbert.varlen_attention_fwd.default, (q, k, v, cu, 20, p, 0.2, s))
-        out, lse = attn.varlen_attention_forward(q, k, v, cu, 20, p, 0.2, s)
-        torch.library.opcheck(torch.ops.fastbert.varlen_attention_bwd.default, (torch.randn_like(out), q, k, v, out, lse, cu, 20, p, 0.2, s))
+        out, lse, mask = attn.varlen_attention_forward(q, k, v, cu, 20, p, 0.2, s)
+        assert mask.shape == ((2, 28, 3) if p else (0,)) and mask.dtype == torch.uint8
+        torch.library.opcheck(torch.ops.fastbert.varlen_attention_bwd.default,
+                              (torch.randn_like(out), q, k, v, out, lse, mask, cu, 20, p, 0.2))
 
     def f(x):
         return varlen_attention(*x.unbind(1), cu, 20, dropout_p=0.1, seed=5)
