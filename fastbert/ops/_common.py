@@ -292,7 +292,6 @@ def dropout_keep(seed, rows, col_start, n_cols, threshold, BLOCK_N: tl.constexpr
     return keep_from_bits(dropout_bits(seed, rows, col_start, n_cols, threshold, BLOCK_N))
 
 
-
 @triton.jit(do_not_specialize=["threshold"])
 def _dropout_mask_kernel(OUT, M, N, threshold, SEED, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)

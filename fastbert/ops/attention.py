@@ -4,9 +4,9 @@
 ``cu_seqlens`` ``(batch + 1,)``. Returns ``(total_tokens, heads, head_dim)``.
 
 Top to bottom: the plain-PyTorch reference (pads per sequence internally), the Triton kernels
-(flash-style forward that stores the log-sum-exp; backward as dQ (which also computes the
-softmax row term delta) then dK/dV, or for sequences up to 128 tokens one fused program per
-(sequence, head)), the host wrappers ``varlen_attention_forward`` / ``varlen_attention_backward``,
+(flash-style forward that stores the log-sum-exp and, with dropout, the mask it drew as bits; backward
+as dQ (which also computes the softmax row term delta) then dK/dV, or for sequences up to 128 tokens one
+fused program per (sequence, head)), the host wrappers ``varlen_attention_forward`` / ``varlen_attention_backward``,
 the torch custom ops that let ``torch.compile`` wrap them, the ``autograd.Function`` and
 ``varlen_attention``.
 """
@@ -87,8 +87,9 @@ def _stored_keep(mask_base, rows, col0, COLS: tl.constexpr, stride_mask_t, row_m
     """Keep-mask ``(len(rows), COLS)`` of keys col0 + [0, COLS) read from the forward's bits (a bits tile, then
     the unpacking ``dropout_keep`` uses: fewer registers and instructions than a load per element)."""
     groups = col0 // 8 + tl.arange(0, COLS // 8)
+    in_row = (groups * 8 < seqlen) & (groups < stride_mask_t)  # a row's bytes, even if max_seqlen was too small
     bits = tl.load(mask_base + rows.to(tl.int64)[:, None] * stride_mask_t + groups[None, :],
-                   mask=row_mask[:, None] & (groups * 8 < seqlen)[None, :], other=0)
+                   mask=row_mask[:, None] & in_row[None, :], other=0)
     return keep_from_bits(bits)
 
 
@@ -145,7 +146,7 @@ def _fwd_kernel(
             bits = _attention_bits(SEED, stream, pid_m * BLOCK_M, start_n, BLOCK_M, BLOCK_N, max_seqlen, threshold)
             groups = start_n // 8 + tl.arange(0, BLOCK_N // 8)
             tl.store(mask_base + offs_m[:, None] * stride_mask_t + groups[None, :], bits,
-                     mask=mask_m[:, None] & (groups * 8 < seqlen)[None, :])
+                     mask=mask_m[:, None] & ((groups * 8 < seqlen) & (groups < stride_mask_t))[None, :])
             p = tl.where(keep_from_bits(bits), p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
