@@ -83,14 +83,21 @@ def _attention_bits(SEED, stream, row0, col0, ROWS: tl.constexpr, COLS: tl.const
 
 
 @triton.jit
+def _bits_tile(mask_base, rows, col0, COLS: tl.constexpr, stride_mask_t, row_mask, seqlen):
+    """(pointers, mask) of the mask bits of keys col0 + [0, COLS) for ``rows`` of one (sequence, head): the bytes
+    the forward stores and the backward reads. Only a row's own bytes, even if max_seqlen was too small."""
+    groups = col0 // 8 + tl.arange(0, COLS // 8)
+    in_row = (groups * 8 < seqlen) & (groups < stride_mask_t)
+    return (mask_base + rows.to(tl.int64)[:, None] * stride_mask_t + groups[None, :],
+            row_mask[:, None] & in_row[None, :])
+
+
+@triton.jit
 def _stored_keep(mask_base, rows, col0, COLS: tl.constexpr, stride_mask_t, row_mask, seqlen):
     """Keep-mask ``(len(rows), COLS)`` of keys col0 + [0, COLS) read from the forward's bits (a bits tile, then
     the unpacking ``dropout_keep`` uses: fewer registers and instructions than a load per element)."""
-    groups = col0 // 8 + tl.arange(0, COLS // 8)
-    in_row = (groups * 8 < seqlen) & (groups < stride_mask_t)  # a row's bytes, even if max_seqlen was too small
-    bits = tl.load(mask_base + rows.to(tl.int64)[:, None] * stride_mask_t + groups[None, :],
-                   mask=row_mask[:, None] & in_row[None, :], other=0)
-    return keep_from_bits(bits)
+    ptrs, mask = _bits_tile(mask_base, rows, col0, COLS, stride_mask_t, row_mask, seqlen)
+    return keep_from_bits(tl.load(ptrs, mask=mask, other=0))
 
 
 @triton.jit(do_not_specialize=["max_seqlen", "threshold"])
@@ -144,9 +151,8 @@ def _fwd_kernel(
         acc = acc * alpha[:, None]
         if HAS_DROPOUT:
             bits = _attention_bits(SEED, stream, pid_m * BLOCK_M, start_n, BLOCK_M, BLOCK_N, max_seqlen, threshold)
-            groups = start_n // 8 + tl.arange(0, BLOCK_N // 8)
-            tl.store(mask_base + offs_m[:, None] * stride_mask_t + groups[None, :], bits,
-                     mask=mask_m[:, None] & ((groups * 8 < seqlen) & (groups < stride_mask_t))[None, :])
+            ptrs, in_tile = _bits_tile(mask_base, offs_m, start_n, BLOCK_N, stride_mask_t, mask_m, seqlen)
+            tl.store(ptrs, bits, mask=in_tile)
             p = tl.where(keep_from_bits(bits), p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
