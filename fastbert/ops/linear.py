@@ -31,12 +31,19 @@ def linear_residual_ref(x, weight, bias=None):
 _MM_OUT_DTYPE = hasattr(getattr(torch.ops.aten, "mm", None), "dtype")
 
 
+def _mm_writes(t, dtype) -> bool:
+    """Whether ``torch.mm(..., out_dtype=dtype)`` can take ``t``: a 16-bit CUDA tensor, ``dtype`` its own or fp32
+    (the GEMM's fp32 accumulator written straight out)."""
+    return (t.is_cuda and _MM_OUT_DTYPE and t.dtype in (torch.float16, torch.bfloat16)
+            and dtype in (t.dtype, torch.float32))
+
+
 def wgrad(dy2, x2, dtype):
     """The weight gradient ``dy2ᵀ @ x2`` ``(out, in)`` in ``dtype``, the parameter's own: a 16-bit GEMM's fp32
     accumulator written straight out as fp32 on CUDA, else rounded and cast."""
     if dtype == dy2.dtype:
         return dy2.t() @ x2
-    if dtype == torch.float32 and dy2.is_cuda and _MM_OUT_DTYPE and dy2.dtype in (torch.float16, torch.bfloat16):
+    if _mm_writes(dy2, dtype):
         return torch.mm(dy2.t(), x2, out_dtype=dtype)
     return (dy2.t() @ x2).to(dtype)
 
@@ -55,8 +62,7 @@ def bias_grad(dy2, dtype):
     """The bias gradient: ``dy2``'s column sums, accumulated and returned in ``dtype`` (the bias's own). On CUDA a
     16-bit ``dy2`` goes through a GEMM with a row of ones (fp32 accumulator, written in ``dtype``): torch's column
     sum of a row-major matrix runs at 0.8-1.9 TB/s on an H100, the GEMM at 1.5-2.3 (benchmarks/RESULTS.md)."""
-    if (dy2.is_cuda and _MM_OUT_DTYPE and dy2.dtype in (torch.float16, torch.bfloat16)
-            and dtype in (dy2.dtype, torch.float32)):
+    if _mm_writes(dy2, dtype):
         return torch.mm(dy2.new_ones((1, dy2.shape[0])), dy2, out_dtype=dtype).view(-1)
     return dy2.sum(0, dtype=dtype) if dtype != dy2.dtype else dy2.sum(0)
 
