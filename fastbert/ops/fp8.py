@@ -110,14 +110,36 @@ def _pre_op(X, Z, r, c, mask, stride_xm, stride_zm, PRE: tl.constexpr, APPROX_TA
 
 
 @triton.jit
+def _fp8_codes(v, E5M2: tl.constexpr, HW: tl.constexpr):
+    """The fp8 bit patterns (0..255, in int32) of fp32 ``v`` (already clamped to the format's range). On a GPU
+    (HW) the conversion instruction that torch's own cast runs (round to nearest even), written into a 32-bit
+    register, so that no 8-bit tensor is ever moved between threads; the interpreter casts with tl."""
+    if HW:
+        if E5M2:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b16 t; cvt.rn.satfinite.e5m2x2.f32 t, 0f00000000, $1; cvt.u32.u16 $0, t; }",
+                "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, 0f00000000, $1; cvt.u32.u16 $0, t; }",
+            "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
+    return v.to(tl.float8e5 if E5M2 else tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+
+
+@triton.jit
 def _cast_fp8_kernel(X, Z, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm, stride_zm,
-                     FP8_MAX: tl.constexpr, HISTORY_LEN: tl.constexpr, PRE: tl.constexpr, APPROX_TANH: tl.constexpr,
-                     WITH_COLSUM: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
+                     FP8_MAX: tl.constexpr, E5M2: tl.constexpr, HW: tl.constexpr, HISTORY_LEN: tl.constexpr,
+                     PRE: tl.constexpr, APPROX_TANH: tl.constexpr, WITH_COLSUM: tl.constexpr, WIDE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) tile: scale from the history row's previous slots, cast, store the tile
     and its transpose, fold the tile's finite amax into the current slot; with WITH_COLSUM also the
     tile's fp32 column sums (a bias gradient, reduced over row tiles by the caller). What is cast
-    (``pre_op_ref``): PRE 0 ``x``, 1 ``gelu(x)``, 2 ``x * gelu'(z)``."""
+    (``pre_op_ref``): PRE 0 ``x``, 1 ``gelu(x)``, 2 ``x * gelu'(z)``.
+
+    The source is read once and the pre-op computed once. ``Y`` is the (M, N) result as bytes; ``YT`` the
+    transpose as int32 words, four rows of the source in each (its rows padded to a multiple of 4 bytes):
+    the transpose moves 32-bit codes and words between threads, never fp8 values (Triton 3.6 moved transposed
+    fp8 tiles wrongly on an H100 for fp32 sources and after the GELU-derivative pre-op, scripts/fp8_diag.py).
+    Offsets are 32-bit (fewer registers) unless WIDE: a tensor of 2**31 elements or more."""
     slots = tl.arange(0, HISTORY_LEN)
     cur = tl.load(STEP) % HISTORY_LEN
     prev = tl.max(tl.where(slots == cur, 0.0, tl.load(HIST + slots)), axis=0)
@@ -125,52 +147,56 @@ def _cast_fp8_kernel(X, Z, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
-    rows64 = rows.to(tl.int64)
-    cols64 = cols.to(tl.int64)
-    x = _pre_op(X, Z, rows64[:, None], cols64[None, :], mask, stride_xm, stride_zm, PRE, APPROX_TANH)
-    y = tl.clamp(x * scale, -FP8_MAX, FP8_MAX).to(Y.dtype.element_ty)
-    tl.store(Y + rows64[:, None] * N + cols64[None, :], y, mask=mask)
-    if TRANSPOSE:
-        # The same tile read again in transposed order (cached) and cast again, not tl.trans(y): Triton 3.6's
-        # transpose of fp8 tiles gave wrong values on an H100 for some sources and pre-ops (scripts/fp8_diag.py).
-        xt = _pre_op(X, Z, rows64[None, :], cols64[:, None], tl.trans(mask), stride_xm, stride_zm, PRE, APPROX_TANH)
-        tl.store(YT + cols64[:, None] * M + rows64[None, :],
-                 tl.clamp(xt * scale, -FP8_MAX, FP8_MAX).to(YT.dtype.element_ty), mask=tl.trans(mask))
+    ri = rows.to(tl.int64) if WIDE else rows
+    ci = cols.to(tl.int64) if WIDE else cols
+    x = _pre_op(X, Z, ri[:, None], ci[None, :], mask, stride_xm, stride_zm, PRE, APPROX_TANH)
+    codes = _fp8_codes(tl.clamp(x * scale, -FP8_MAX, FP8_MAX), E5M2, HW)  # masked-off elements: 0
+    tl.store(Y + ri[:, None] * N + ci[None, :], codes.to(tl.uint8), mask=mask)
+    shifts = tl.arange(0, 4) * 8
+    words = tl.sum(tl.reshape(tl.trans(codes), (BLOCK_N, BLOCK_M // 4, 4)) << shifts[None, None, :], axis=2)
+    wi = tl.program_id(0) * (BLOCK_M // 4) + tl.arange(0, BLOCK_M // 4)
+    words_m = (M + 3) // 4
+    tl.store(YT + ci[:, None] * words_m + wi[None, :], words, mask=(cols[:, None] < N) & (wi[None, :] < words_m))
     a = tl.abs(x)
     tile_amax = tl.max(tl.max(tl.where(a < float("inf"), a, 0.0), axis=1), axis=0)  # NaN < inf is False
     tl.atomic_max(HIST + cur, tile_amax)
     if WITH_COLSUM:
-        tl.store(COLSUM + tl.program_id(0).to(tl.int64) * N + cols64, tl.sum(x, axis=0), mask=cols < N)
+        tl.store(COLSUM + tl.program_id(0) * N + ci, tl.sum(x, axis=0), mask=cols < N)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(SCALE_INV, 1.0 / scale)
 
 
+# (BLOCK_M, BLOCK_N, num_warps) of the cast on a GPU; tensors of at least _WIDE elements index in 64 bits
+CAST_TILE = (64, 64, 4)
+_WIDE = 2**31
+
+
 def cast_fp8_triton(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torch.dtype, colsum: bool = False,
-                    gelu: str | None = None, z: torch.Tensor | None = None):
+                    gelu: str | None = None, z: torch.Tensor | None = None, tile: tuple | None = None):
     """``cast_fp8_ref`` of ``pre_op_ref(x, gelu, z)`` in one kernel pass (the tile's amax goes in with an
     atomic max); with ``colsum`` also its column sums in fp32 (per row tile, then summed: deterministic),
-    else None."""
+    else None. ``tile``: (BLOCK_M, BLOCK_N, num_warps), default ``CAST_TILE`` (32 x 32 in the interpreter)."""
     m, n = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
     if z is not None and z.stride(1) != 1:
         z = z.contiguous()
+    m4 = -(-m // 4) * 4  # the transpose's rows as whole int32 words
     x8 = torch.empty((m, n), dtype=dtype, device=x.device)
-    x8t = torch.empty((n, m), dtype=dtype, device=x.device)
+    x8t = torch.empty((n, m4), dtype=dtype, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-    block = 32 if INTERPRET else 64
-    grid = (triton.cdiv(m, block), triton.cdiv(n, block))
+    block_m, block_n, warps = tile or ((32, 32, 4) if INTERPRET else CAST_TILE)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     parts = torch.empty((grid[0], n) if colsum else (0,), dtype=torch.float32, device=x.device)
     pre = 0 if gelu is None else (1 if z is None else 2)
-    # fp32 sources are the weights: small beside the activations, so their transpose is torch's copy of the
-    # 1-byte result rather than a second, uncoalesced read of 4-byte values.
-    in_kernel = x.dtype != torch.float32
-    _cast_fp8_kernel[grid](x, z if z is not None else x, x8, x8t, history.amax[row], history.step, scale_inv, parts,
-                           m, n, x.stride(0), z.stride(0) if z is not None else 0, FP8_MAX=FP8_MAX[dtype],
-                           HISTORY_LEN=HISTORY, PRE=pre, APPROX_TANH=gelu == "tanh", WITH_COLSUM=colsum,
-                           TRANSPOSE=in_kernel, BLOCK_M=block, BLOCK_N=block, num_warps=4)
-    if not in_kernel:
-        x8t.copy_(x8.t())
+    wide = m4 * max(n, x.stride(0), z.stride(0) if z is not None else 0) >= _WIDE
+    _cast_fp8_kernel[grid](x, z if z is not None else x, x8.view(torch.uint8), x8t.view(torch.int32),
+                           history.amax[row], history.step, scale_inv, parts, m, n, x.stride(0),
+                           z.stride(0) if z is not None else 0, FP8_MAX=FP8_MAX[dtype], E5M2=dtype == E5M2,
+                           HW=not INTERPRET, HISTORY_LEN=HISTORY, PRE=pre, APPROX_TANH=gelu == "tanh",
+                           WITH_COLSUM=colsum, WIDE=wide, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+    if m4 != m:  # rows that are not whole words (never in the model: its GEMM dimensions are multiples of 16)
+        x8t = x8t[:, :m].contiguous()
     return x8, x8t, scale_inv, parts.sum(0) if colsum else None
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import fastbert.ops.fp8 as fp8_module
 from fastbert.ops._common import HAS_TRITON
 from fastbert.ops.fp8 import (E4M3, E5M2, FP8_MAX, HISTORY, AmaxHistory, cast_fp8, cast_fp8_ref, cast_fp8_triton,
                               fp8_ffn, fp8_linear, pre_op_ref)
@@ -37,10 +38,14 @@ def fresh_history(rows=3):
 
 
 @needs_triton
+@pytest.mark.parametrize("wide", [False, True], ids=["idx32", "idx64"])
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("src", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", [(37, 70), (64, 32), (1, 130)])
-def test_cast_kernel_matches_reference(shape, src, dtype):
+def test_cast_kernel_matches_reference(shape, src, dtype, wide, monkeypatch):
+    """Also through the 64-bit indexing that tensors of 2**31 elements or more take (forced here)."""
+    if wide:
+        monkeypatch.setattr(fp8_module, "_WIDE", 0)
     g = torch.Generator().manual_seed(shape[0] * 131 + shape[1])
     x = (torch.randn(*shape, generator=g) * 3).to(DEVICE, src)
     x[0, 0] = float("inf")  # left out of the amax, saturates in the cast
