@@ -47,23 +47,53 @@ def _tanh(u):
 
 
 @triton.jit
-def gelu(z, APPROX_TANH: tl.constexpr):
+def _approx(x, OP: tl.constexpr):
+    """PTX's one-instruction ``rcp`` / ``ex2`` approximations (flush-to-zero: no range handling around them)."""
+    if OP == "rcp":
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _erf_fast(x, PTX: tl.constexpr):
+    """``(erf(x), exp(-x * x))`` by Abramowitz & Stegun 7.1.26: |erf error| <= 1.5e-7, ~1 ulp of 1.0 (the size
+    of the rounding when the exact GELU adds erf to 1). One polynomial, where libdevice's erff evaluates two
+    ranges with their own coefficients; the exponential, which GELU's derivative needs, comes with it. PTX (a
+    GPU): the reciprocal and the exponential as PTX's approximations, ~1-2 ulp, without IEEE range handling."""
+    d = 1.0 + 0.3275911 * tl.abs(x)
+    t = _approx(d, "rcp") if PTX else 1.0 / d
+    p = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    e = _approx(x * x * -1.4426950408889634, "ex2") if PTX else tl.exp(-x * x)
+    y = 1.0 - p * e
+    return tl.where(x < 0.0, -y, y), e
+
+
+@triton.jit
+def gelu(z, APPROX_TANH: tl.constexpr, ERF: tl.constexpr):
     """GELU in fp32: exact ``z * Phi(z)`` (0.70710678 = 1/sqrt(2)) or the tanh approximation
-    (0.79788456 = sqrt(2/pi))."""
+    (0.79788456 = sqrt(2/pi)). The exact one's erf: ERF 0 libdevice's (the 16-bit paths, which match torch's
+    F.gelu); 1 ``_erf_fast``, 2 the same with PTX's approximations (the FP8 casts, whose rounding is 2^-4 of a
+    value; 1 in the interpreter, 2 on a GPU)."""
     if APPROX_TANH:
         t = _tanh(0.7978845608028654 * (z + 0.044715 * z * z * z))
         return 0.5 * z * (1.0 + t)
+    elif ERF > 0:
+        return 0.5 * z * (1.0 + _erf_fast(z * 0.7071067811865476, ERF == 2)[0])
     else:
         return 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
 
 
 @triton.jit
-def gelu_grad(z, APPROX_TANH: tl.constexpr):
-    """d gelu(z) / dz in fp32."""
+def gelu_grad(z, APPROX_TANH: tl.constexpr, ERF: tl.constexpr):
+    """d gelu(z) / dz in fp32 (ERF: see ``gelu``)."""
     if APPROX_TANH:
         t = _tanh(0.7978845608028654 * (z + 0.044715 * z * z * z))
         dt = 0.7978845608028654 * (1.0 + 0.134145 * z * z)
         return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * dt
+    elif ERF > 0:
+        erf, gauss = _erf_fast(z * 0.7071067811865476, ERF == 2)  # gauss = exp(-z^2 / 2)
+        return 0.5 * (1.0 + erf) + z * gauss * 0.3989422804014327
     else:
         cdf = 0.5 * (1.0 + tl.erf(z * 0.7071067811865476))
         pdf = tl.exp(-0.5 * z * z) * 0.3989422804014327
@@ -76,7 +106,7 @@ def _gelu_fwd_kernel(Z, Y, numel, APPROX_TANH: tl.constexpr, BLOCK: tl.constexpr
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     z = tl.load(Z + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + offs, gelu(z, APPROX_TANH).to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + offs, gelu(z, APPROX_TANH, 0).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -94,7 +124,7 @@ def _gelu_bwd_kernel(DY, Z, DZ, DB_PART, M, N, rows_per_program, stride_dy, stri
         mask = (rows[:, None] < row_end) & col_mask[None, :]
         dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         z = tl.load(Z + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dz = dy * gelu_grad(z, APPROX_TANH)
+        dz = dy * gelu_grad(z, APPROX_TANH, 0)
         tl.store(DZ + rows[:, None] * stride_dz + cols[None, :], dz.to(DZ.dtype.element_ty), mask=mask)
         acc += dz
     tl.store(DB_PART + tl.program_id(1) * N + cols, tl.sum(acc, axis=0), mask=col_mask)

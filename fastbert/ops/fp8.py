@@ -23,6 +23,9 @@ multiples of 16; a call whose shapes are not (a padded batch's odd token count) 
 The casts are a Triton kernel on CUDA (one pass: scale from the history, cast, transpose, amax) and
 the plain-PyTorch reference ``cast_fp8_ref`` elsewhere; ``_scaled_mm`` also runs on the CPU (slowly),
 which is what the tests use (the kernel itself is tested against the reference in the interpreter).
+The kernel reads its source once, weights included (fp32 masters), and moves the transpose between threads
+as 32-bit words of four fp8 codes; the GELU casts, which issue more instructions than their bytes take to
+move, use a one-polynomial erf (``ffn._erf_fast``).
 """
 from __future__ import annotations
 
@@ -99,21 +102,24 @@ def cast_fp8_ref(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torch.d
 
 # ============================================================================= Triton kernel
 @triton.jit
-def _pre_op(X, Z, r, c, mask, stride_xm, stride_zm, PRE: tl.constexpr, APPROX_TANH: tl.constexpr):
-    """What the cast casts at rows ``r`` x columns ``c`` (broadcast index tensors), in fp32: ``pre_op_ref``."""
+def _pre_op(X, Z, r, c, mask, stride_xm, stride_zm, PRE: tl.constexpr, APPROX_TANH: tl.constexpr, ERF: tl.constexpr):
+    """What the cast casts at rows ``r`` x columns ``c`` (broadcast index tensors), in fp32: ``pre_op_ref``, with
+    the exact GELU's erf from ``ffn._erf_fast`` (ERF 1 or 2: 1.5e-7 from libdevice's, far below fp8's rounding)."""
     x = tl.load(X + r * stride_xm + c, mask=mask, other=0.0).to(tl.float32)
     if PRE == 1:
-        x = gelu(x, APPROX_TANH)
+        x = gelu(x, APPROX_TANH, ERF)
     elif PRE == 2:
-        x = x * gelu_grad(tl.load(Z + r * stride_zm + c, mask=mask, other=0.0).to(tl.float32), APPROX_TANH)
+        z = tl.load(Z + r * stride_zm + c, mask=mask, other=0.0).to(tl.float32)
+        x = x * gelu_grad(z, APPROX_TANH, ERF)
     return x
 
 
 @triton.jit
-def _fp8_codes(v, E5M2: tl.constexpr, HW: tl.constexpr):
-    """The fp8 bit patterns (0..255, in int32) of fp32 ``v`` (already clamped to the format's range). On a GPU
-    (HW) the conversion instruction that torch's own cast runs (round to nearest even), written into a 32-bit
-    register, so that no 8-bit tensor is ever moved between threads; the interpreter casts with tl."""
+def _fp8_codes(v, FP8_MAX: tl.constexpr, E5M2: tl.constexpr, HW: tl.constexpr):
+    """The fp8 bit patterns (0..255, in int32) of fp32 ``v``, saturated to +-FP8_MAX. On a GPU (HW) the
+    conversion instruction that torch's own cast runs (round to nearest even; satfinite saturates, NaN stays
+    NaN), written into a 32-bit register, so that no 8-bit tensor is ever moved between threads; the
+    interpreter clamps and casts with tl."""
     if HW:
         if E5M2:
             return tl.inline_asm_elementwise(
@@ -122,6 +128,7 @@ def _fp8_codes(v, E5M2: tl.constexpr, HW: tl.constexpr):
         return tl.inline_asm_elementwise(
             "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, 0f00000000, $1; cvt.u32.u16 $0, t; }",
             "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
+    v = tl.clamp(v, -FP8_MAX, FP8_MAX)
     return v.to(tl.float8e5 if E5M2 else tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
 
 
@@ -143,14 +150,14 @@ def _cast_fp8_kernel(X, Z, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm
     slots = tl.arange(0, HISTORY_LEN)
     cur = tl.load(STEP) % HISTORY_LEN
     prev = tl.max(tl.where(slots == cur, 0.0, tl.load(HIST + slots)), axis=0)
-    scale = tl.where(prev > 0.0, FP8_MAX / prev, 1.0)
+    scale = tl.where(prev > 0.0, tl.math.div_rn(tl.full((), FP8_MAX, tl.float32), prev), 1.0)  # IEEE, as torch
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     ri = rows.to(tl.int64) if WIDE else rows
     ci = cols.to(tl.int64) if WIDE else cols
-    x = _pre_op(X, Z, ri[:, None], ci[None, :], mask, stride_xm, stride_zm, PRE, APPROX_TANH)
-    codes = _fp8_codes(tl.clamp(x * scale, -FP8_MAX, FP8_MAX), E5M2, HW)  # masked-off elements: 0
+    x = _pre_op(X, Z, ri[:, None], ci[None, :], mask, stride_xm, stride_zm, PRE, APPROX_TANH, 2 if HW else 1)
+    codes = _fp8_codes(x * scale, FP8_MAX, E5M2, HW)  # masked-off elements: 0
     tl.store(Y + ri[:, None] * N + ci[None, :], codes.to(tl.uint8), mask=mask)
     shifts = tl.arange(0, 4) * 8
     words = tl.sum(tl.reshape(tl.trans(codes), (BLOCK_N, BLOCK_M // 4, 4)) << shifts[None, None, :], axis=2)
@@ -158,16 +165,19 @@ def _cast_fp8_kernel(X, Z, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm
     words_m = (M + 3) // 4
     tl.store(YT + ci[:, None] * words_m + wi[None, :], words, mask=(cols[:, None] < N) & (wi[None, :] < words_m))
     a = tl.abs(x)
-    tile_amax = tl.max(tl.max(tl.where(a < float("inf"), a, 0.0), axis=1), axis=0)  # NaN < inf is False
+    tile_amax = tl.max(tl.max(a, axis=1), axis=0)
+    if (tile_amax >= float("inf")) | (tile_amax != tile_amax):  # rare: the largest finite |x| (NaN < inf: False)
+        tile_amax = tl.max(tl.max(tl.where(a < float("inf"), a, 0.0), axis=1), axis=0)
     tl.atomic_max(HIST + cur, tile_amax)
     if WITH_COLSUM:
         tl.store(COLSUM + tl.program_id(0) * N + ci, tl.sum(x, axis=0), mask=cols < N)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-        tl.store(SCALE_INV, 1.0 / scale)
+        tl.store(SCALE_INV, tl.math.div_rn(tl.full((), 1.0, tl.float32), scale))
 
 
-# (BLOCK_M, BLOCK_N, num_warps) of the cast on a GPU; tensors of at least _WIDE elements index in 64 bits
-CAST_TILE = (64, 64, 4)
+# (BLOCK_M, BLOCK_N, num_warps) of the cast on a GPU per pre-op (none, GELU, GELU's derivative): an H100 sweep,
+# benchmarks/RESULTS.md; tensors of at least _WIDE elements index in 64 bits
+CAST_TILES = {0: (64, 64, 4), 1: (32, 128, 4), 2: (64, 64, 4)}
 _WIDE = 2**31
 
 
@@ -175,7 +185,7 @@ def cast_fp8_triton(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torc
                     gelu: str | None = None, z: torch.Tensor | None = None, tile: tuple | None = None):
     """``cast_fp8_ref`` of ``pre_op_ref(x, gelu, z)`` in one kernel pass (the tile's amax goes in with an
     atomic max); with ``colsum`` also its column sums in fp32 (per row tile, then summed: deterministic),
-    else None. ``tile``: (BLOCK_M, BLOCK_N, num_warps), default ``CAST_TILE`` (32 x 32 in the interpreter)."""
+    else None. ``tile``: (BLOCK_M, BLOCK_N, num_warps), default ``CAST_TILES``' (32 x 32 in the interpreter)."""
     m, n = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -185,10 +195,10 @@ def cast_fp8_triton(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torc
     x8 = torch.empty((m, n), dtype=dtype, device=x.device)
     x8t = torch.empty((n, m4), dtype=dtype, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-    block_m, block_n, warps = tile or ((32, 32, 4) if INTERPRET else CAST_TILE)
+    pre = 0 if gelu is None else (1 if z is None else 2)
+    block_m, block_n, warps = tile or ((32, 32, 4) if INTERPRET else CAST_TILES[pre])
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     parts = torch.empty((grid[0], n) if colsum else (0,), dtype=torch.float32, device=x.device)
-    pre = 0 if gelu is None else (1 if z is None else 2)
     wide = m4 * max(n, x.stride(0), z.stride(0) if z is not None else 0) >= _WIDE
     _cast_fp8_kernel[grid](x, z if z is not None else x, x8.view(torch.uint8), x8t.view(torch.int32),
                            history.amax[row], history.step, scale_inv, parts, m, n, x.stride(0),

@@ -205,7 +205,7 @@ def test_ffn_master_weights_get_their_gradients_in_their_dtype(approximate):
 
 def test_backward_ops_schema():
     g = torch.Generator().manual_seed(2)
-    x, w1, b1, w2, dy = (torch.randn(*s, generator=g) for s in ((7, 16), (24, 16), (24,), (16, 24), (7, 16)))
+    x, w1, b1, w2, dy = (torch.randn(*s, generator=g).to(DEVICE) for s in ((7, 16), (24, 16), (24,), (16, 24), (7, 16)))
     z = x @ w1.t() + b1
     y = torch.nn.functional.gelu(z)
     for wdtype in (torch.float32, torch.float64):
