@@ -166,7 +166,7 @@ def _cast_fp8_kernel(X, Z, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm
     tl.store(YT + ci[:, None] * words_m + wi[None, :], words, mask=(cols[:, None] < N) & (wi[None, :] < words_m))
     a = tl.abs(x)
     tile_amax = tl.max(tl.max(a, axis=1), axis=0)
-    if (tile_amax >= float("inf")) | (tile_amax != tile_amax):  # rare: the largest finite |x| (NaN < inf: False)
+    if (tile_amax >= float("inf")) | (tile_amax != tile_amax):  # an inf or NaN here (rare): the largest finite |x|
         tile_amax = tl.max(tl.max(tl.where(a < float("inf"), a, 0.0), axis=1), axis=0)
     tl.atomic_max(HIST + cur, tile_amax)
     if WITH_COLSUM:
@@ -185,7 +185,8 @@ def cast_fp8_triton(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torc
                     gelu: str | None = None, z: torch.Tensor | None = None, tile: tuple | None = None):
     """``cast_fp8_ref`` of ``pre_op_ref(x, gelu, z)`` in one kernel pass (the tile's amax goes in with an
     atomic max); with ``colsum`` also its column sums in fp32 (per row tile, then summed: deterministic),
-    else None. ``tile``: (BLOCK_M, BLOCK_N, num_warps), default ``CAST_TILES``' (32 x 32 in the interpreter)."""
+    else None. ``tile``: (BLOCK_M, BLOCK_N, num_warps); default ``CAST_TILES`` of the pre-op (32 x 32 x 4 in the
+    interpreter)."""
     m, n = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
