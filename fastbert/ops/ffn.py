@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 from fastbert.ops import cublaslt  # noqa: E402
 from fastbert.ops._common import (  # noqa: E402
-    autocast_dtype, autocast_inputs, check_triton_device, num_sms, register_op, tl, triton)
+    autocast_dtype, autocast_inputs, check_triton_device, num_sms, register_op, sum_partials, tl, triton)
 from fastbert.ops.linear import bias_grad, linear_grads, wgrad  # noqa: E402
 
 @triton.jit
@@ -188,7 +188,7 @@ def gelu_bwd(dy, z, approximate):
         _gelu_bwd_kernel[(grid_n, strips)](
             dy2, z2, dz, db_part, m, n, rows_per_program, dy2.stride(0), z2.stride(0), n,
             APPROX_TANH=approximate == "tanh", BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
-    return dz.view(z.shape), db_part.sum(0)
+    return dz.view(z.shape), sum_partials(db_part.view(strips, 1, n), [torch.float32])[0]
 
 
 def linear_bias_gelu_bwd(dy, x, weight, bias, z, approximate, wdtype):
