@@ -116,7 +116,7 @@ def test_custom_op_and_torch_compile():
     ids, params = make_inputs(6, 32, 12, 8, 2, torch.float32)
     idv = list(ids.values())
     torch.library.opcheck(torch.ops.fastbert.bert_embeddings_fwd.default,
-                          (*idv, *(params[k] for k in TABLES), 1e-12, 0.1, torch.tensor([3])))
+                          (*idv, *(params[k] for k in TABLES), 1e-12, 0.1, torch.tensor([3], device=DEVICE)))
 
     def f(*tables):
         return (bert_embeddings(*idv, *tables, 1e-12, dropout_p=0.1, seed=3, padding_idx=0) ** 2).sum()

@@ -136,7 +136,8 @@ def test_custom_op_and_torch_compile():
     backward) gives the eager result."""
     inputs = make_inputs((3, 48), torch.float32)
     x, r, w, b, xb = (inputs[k].detach() for k in ("x", "residual", "weight", "bias", "x_bias"))
-    torch.library.opcheck(torch.ops.fastbert.dropout_add_layer_norm_fwd.default, (x, r, w, b, 1e-5, xb, 0.2, torch.tensor([7]), True))
+    torch.library.opcheck(torch.ops.fastbert.dropout_add_layer_norm_fwd.default,
+                          (x, r, w, b, 1e-5, xb, 0.2, torch.tensor([7], device=DEVICE), True))
 
     def f(x, r, w, b, xb):
         y, s = dropout_add_layer_norm(x, r, w, b, 1e-5, x_bias=xb, dropout_p=0.2, prenorm=True, seed=7)
