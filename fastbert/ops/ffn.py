@@ -49,10 +49,8 @@ def _tanh(u):
 @triton.jit
 def _approx(x, OP: tl.constexpr):
     """PTX's one-instruction ``rcp`` / ``ex2`` approximations (flush-to-zero: no range handling around them)."""
-    if OP == "rcp":
-        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                         pack=1)
-    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(OP + ".approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
 
 
 @triton.jit

@@ -121,12 +121,9 @@ def _fp8_codes(v, FP8_MAX: tl.constexpr, E5M2: tl.constexpr, HW: tl.constexpr):
     NaN), written into a 32-bit register, so that no 8-bit tensor is ever moved between threads; the
     interpreter clamps and casts with tl."""
     if HW:
-        if E5M2:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b16 t; cvt.rn.satfinite.e5m2x2.f32 t, 0f00000000, $1; cvt.u32.u16 $0, t; }",
-                "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
+        fmt: tl.constexpr = "e5m2x2" if E5M2 else "e4m3x2"
         return tl.inline_asm_elementwise(
-            "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, 0f00000000, $1; cvt.u32.u16 $0, t; }",
+            "{ .reg .b16 t; cvt.rn.satfinite." + fmt + ".f32 t, 0f00000000, $1; cvt.u32.u16 $0, t; }",
             "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
     v = tl.clamp(v, -FP8_MAX, FP8_MAX)
     return v.to(tl.float8e5 if E5M2 else tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
