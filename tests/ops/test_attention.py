@@ -249,7 +249,8 @@ def test_custom_ops_pass_opcheck_and_compile():
     cu = cu_seqlens_of(lengths)
     qkv = packed_qkv(lengths, 2, 32, torch.float32).detach()
     q, k, v = qkv.unbind(1)
-    seed = torch.tensor([3], dtype=torch.int64, device=DEVICE)  # the seed travels as a device tensor (None: none)
+    # the seed travels as a device tensor (None: no dropout)
+    seed = torch.tensor([3], dtype=torch.int64, device=DEVICE)
     for p, s in ((0.0, None), (0.1, seed)):
         torch.library.opcheck(torch.ops.fastbert.varlen_attention_fwd.default, (q, k, v, cu, 20, p, 0.2, s))
         out, lse, mask = attn.varlen_attention_forward(q, k, v, cu, 20, p, 0.2, s)
