@@ -62,8 +62,13 @@ _LOG2E = 1.4426950408889634
 # Dropout (``_common.dropout_bits``): one Philox call per 8 adjacent (query, key) pairs of a sequence. The
 # counter is ``row * ceil(max_seqlen / 8) + col // 8`` (local to the sequence) and the key is the seed (read
 # from the seed tensor) in the low 32 bits plus the (sequence, head) stream in the high 32 bits (key blocks
-# start at multiples of 8). The forward stores the mask it drew as bits, ``(heads, T, ceil(max_seqlen / 8))``
-# uint8 (a 1/16 of a bf16 score matrix); the backward reads them (``_stored_keep``) instead of drawing again.
+# start at multiples of 8). The forward stores the mask it drew as bits, one int32 word per (query, 32 keys):
+# ``(heads, T, 2 * ceil(max_seqlen / 64))`` (a 1/16 of a bf16 score matrix; key k of a word in bit k, so as
+# bytes it reads as key 8j + i in bit i of byte j); the backward reads them (``_stored_keep``) instead of
+# drawing again. Kernels build a tile's keep-mask from its row's words with shifts in their own register
+# layout (``_keep_of_words``): unpacking bytes took shared-memory shuffles and, in the dK/dV kernel, a
+# transpose, which cost more than drawing the mask (H100, tenth session: forward 62 -> 181 us with dropout
+# at B=16 H=16 S=512).
 _STREAM_SHIFT = tl.constexpr(2**32)  # kernels read only constexpr globals
 
 
@@ -83,21 +88,62 @@ def _attention_bits(SEED, stream, row0, col0, ROWS: tl.constexpr, COLS: tl.const
 
 
 @triton.jit
-def _bits_tile(mask_base, rows, col0, COLS: tl.constexpr, stride_mask_t, row_mask, seqlen):
-    """(pointers, mask) of the mask bits of keys col0 + [0, COLS) for ``rows`` of one (sequence, head): the bytes
-    the forward stores and the backward reads. Only a row's own bytes, even if max_seqlen was too small."""
-    groups = col0 // 8 + tl.arange(0, COLS // 8)
-    in_row = (groups * 8 < seqlen) & (groups < stride_mask_t)
-    return (mask_base + rows.to(tl.int64)[:, None] * stride_mask_t + groups[None, :],
-            row_mask[:, None] & in_row[None, :])
+def _words_of_bits(bits, COLS: tl.constexpr):
+    """A ``dropout_bits`` tile ``(rows, COLS // 8)`` (COLS 32 or 64) as the int32 words the mask stores: keys
+    [0, 32) of the tile in ``lo`` (key k in bit k), keys [32, 64) in ``hi`` (0 when COLS == 32). Little-endian
+    words of the bytes: the same bits in the same memory order as the bytes themselves."""
+    j = tl.arange(0, COLS // 8)[None, :]
+    b = bits.to(tl.int32) << (8 * (j % 4))  # disjoint bit fields: their sum is their OR
+    return tl.sum(tl.where(j < 4, b, 0), 1), tl.sum(tl.where(j >= 4, b, 0), 1)
+
+
+@triton.jit
+def _keep_of_words(w0, w1, w2, w3, shift0, COLS: tl.constexpr):
+    """Keep-mask ``(rows, COLS)`` of COLS consecutive keys from the int32 words holding them, one word vector per
+    32 keys (w0: keys [0, 32) of the tile, w1, w2, w3 the next; only the first max(1, COLS // 32) are read;
+    ``shift0``: the tile's first bit in w0, nonzero only when COLS < 32). Shifts and selects in the caller's
+    register layout: no shared-memory shuffle."""
+    c = tl.arange(0, COLS)[None, :]
+    if COLS == 128:
+        w = tl.where(c < 64, tl.where(c < 32, w0[:, None], w1[:, None]), tl.where(c < 96, w2[:, None], w3[:, None]))
+    elif COLS == 64:
+        w = tl.where(c < 32, w0[:, None], w1[:, None])
+    else:
+        w = w0[:, None]
+    return ((w >> ((shift0 + c) & 31)) & 1) != 0
+
+
+@triton.jit
+def _words_ok(row_mask, rows, word, limit):
+    """``row_mask`` and ``word < limit`` as one tensor (the interpreter takes no scalar in a mask)."""
+    return row_mask & (rows * 0 + word < limit)
 
 
 @triton.jit
 def _stored_keep(mask_base, rows, col0, COLS: tl.constexpr, stride_mask_t, row_mask, seqlen):
-    """Keep-mask ``(len(rows), COLS)`` of keys col0 + [0, COLS) read from the forward's bits (a bits tile, then
-    the unpacking ``dropout_keep`` uses: fewer registers and instructions than a load per element)."""
-    ptrs, mask = _bits_tile(mask_base, rows, col0, COLS, stride_mask_t, row_mask, seqlen)
-    return keep_from_bits(tl.load(ptrs, mask=mask, other=0))
+    """Keep-mask ``(len(rows), COLS)`` of keys col0 + [0, COLS) for ``rows`` of one (sequence, head), from the
+    forward's words (only a row's own words below its sequence's end are read)."""
+    ptr = mask_base + rows.to(tl.int64) * stride_mask_t + col0 // 32
+    limit = tl.minimum(stride_mask_t, (seqlen + 31) // 32)  # the row's words, and none past its sequence
+    w0 = tl.load(ptr, mask=_words_ok(row_mask, rows, col0 // 32, limit), other=0)
+    w1, w2, w3 = w0, w0, w0
+    if COLS > 32:
+        w1 = tl.load(ptr + 1, mask=_words_ok(row_mask, rows, col0 // 32 + 1, limit), other=0)
+    if COLS > 64:
+        w2 = tl.load(ptr + 2, mask=_words_ok(row_mask, rows, col0 // 32 + 2, limit), other=0)
+        w3 = tl.load(ptr + 3, mask=_words_ok(row_mask, rows, col0 // 32 + 3, limit), other=0)
+    return _keep_of_words(w0, w1, w2, w3, col0 % 32, COLS)
+
+
+@triton.jit
+def _stored_keep_t(mask_base, rows, col0, COLS: tl.constexpr, stride_mask_t, row_mask, seqlen):
+    """:func:`_stored_keep` transposed, ``(COLS, len(rows))`` (the key-major tile of the dK/dV kernel): the words
+    read as bytes, unpacked (``keep_from_bits``) and the tile transposed. There, at the register limit,
+    shifting a word per element cost more than the shuffle (sm_90 compile reports: spills 40 -> 112 bytes)."""
+    groups = col0 // 8 + tl.arange(0, COLS // 8)
+    in_row = (groups * 8 < seqlen) & (groups < 4 * stride_mask_t)
+    ptrs = mask_base.to(tl.pointer_type(tl.uint8)) + rows.to(tl.int64)[:, None] * (4 * stride_mask_t) + groups[None, :]
+    return tl.trans(keep_from_bits(tl.load(ptrs, mask=row_mask[:, None] & in_row[None, :], other=0)))
 
 
 @triton.jit(do_not_specialize=["max_seqlen", "threshold"])
@@ -109,7 +155,8 @@ def _fwd_kernel(
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program = one block of BLOCK_M queries of one (sequence, head); grid (q-block, seq, head). With
-    dropout it also stores the mask's bits for the backward (MASK)."""
+    dropout it also stores the mask's bits for the backward (MASK, whole words: BLOCK_N is 32 or 64)."""
+    tl.static_assert((BLOCK_N == 32) | (BLOCK_N == 64))
     pid_m = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
@@ -151,9 +198,12 @@ def _fwd_kernel(
         acc = acc * alpha[:, None]
         if HAS_DROPOUT:
             bits = _attention_bits(SEED, stream, pid_m * BLOCK_M, start_n, BLOCK_M, BLOCK_N, max_seqlen, threshold)
-            ptrs, in_tile = _bits_tile(mask_base, offs_m, start_n, BLOCK_N, stride_mask_t, mask_m, seqlen)
-            tl.store(ptrs, bits, mask=in_tile)
-            p = tl.where(keep_from_bits(bits), p, 0.0)
+            lo, hi = _words_of_bits(bits, BLOCK_N)
+            word = mask_base + offs_m.to(tl.int64) * stride_mask_t + start_n // 32
+            tl.store(word, lo, mask=_words_ok(mask_m, offs_m, start_n // 32, stride_mask_t))
+            if BLOCK_N == 64:
+                tl.store(word + 1, hi, mask=_words_ok(mask_m, offs_m, start_n // 32 + 1, stride_mask_t))
+            p = tl.where(_keep_of_words(lo, hi, lo, lo, 0, BLOCK_N), p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -228,7 +278,7 @@ def _bwd_dkdv_kernel(
         pT = tl.where(mask_n[:, None] & mask_m[None, :], pT, 0.0)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (dO V^T)^T
         if HAS_DROPOUT:
-            keepT = tl.trans(_stored_keep(mask_base, rows, pid_n * BLOCK_N, BLOCK_N, stride_mask_t, mask_m, seqlen))
+            keepT = _stored_keep_t(mask_base, rows, pid_n * BLOCK_N, BLOCK_N, stride_mask_t, mask_m, seqlen)
             dv = tl.dot(tl.where(keepT, pT * keep_scale, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
             dpT = tl.where(keepT, dpT * keep_scale, 0.0)
         else:
@@ -342,7 +392,10 @@ def _launch_config(kind: str, head_dim: int, max_seqlen: int, device: torch.devi
     block_m, block_n, warps, stages = _GPU_CONFIGS.get(key, _GPU_CONFIGS[(kind, key[1], "long")])
     # Short sequences: shrink the query / key block so programs are not mostly masked.
     cap = max(16, triton.next_power_of_2(max_seqlen))
-    return min(block_m, cap), min(block_n, cap), warps, stages
+    block_m, block_n = min(block_m, cap), min(block_n, cap)
+    if kind == "fwd":  # the forward stores whole 32-bit words of the dropout mask: 32 or 64 keys a tile
+        block_n = min(max(block_n, 32), 64)
+    return block_m, block_n, warps, stages
 
 
 def _short_bwd_blocks(head_dim: int, max_seqlen: int):
@@ -376,8 +429,9 @@ def _kernel_constants(q: torch.Tensor, dropout_p: float) -> dict:
 
 
 def _mask_shape(total, nheads, max_seqlen, dropout_p: float):
-    """The shape of the forward's dropout-mask bits: ``(nh, T, ceil(max_seqlen / 8))``, or ``(0,)`` without dropout."""
-    return (nheads, total, (max_seqlen + 7) // 8) if dropout_p > 0.0 else (0,)
+    """The shape of the forward's dropout-mask words (int32): ``(nh, T, 2 * ceil(max_seqlen / 64))``, or ``(0,)``
+    without dropout."""
+    return (nheads, total, 2 * ((max_seqlen + 63) // 64)) if dropout_p > 0.0 else (0,)
 
 
 def varlen_attention_forward(q, k, v, cu_seqlens, max_seqlen: int, dropout_p: float, softmax_scale: float,
@@ -388,7 +442,7 @@ def varlen_attention_forward(q, k, v, cu_seqlens, max_seqlen: int, dropout_p: fl
     out = torch.empty((total, nheads, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((nheads, total), dtype=torch.float32, device=q.device)
     # zeros: bytes past a short sequence's end are never written (a memset of 1/16 of a bf16 score matrix)
-    mask = torch.zeros(_mask_shape(total, nheads, max_seqlen, dropout_p), dtype=torch.uint8, device=q.device)
+    mask = torch.zeros(_mask_shape(total, nheads, max_seqlen, dropout_p), dtype=torch.int32, device=q.device)
     batch = cu_seqlens.shape[0] - 1
     if total == 0 or batch == 0 or max_seqlen == 0:
         return out, lse, mask
@@ -461,7 +515,7 @@ def _backward_packed(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen: int,
 def _fwd_fake(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed):
     total, nheads, head_dim = q.shape
     return (q.new_empty((total, nheads, head_dim)), q.new_empty((nheads, total), dtype=torch.float32),
-            q.new_empty(_mask_shape(total, nheads, max_seqlen, dropout_p), dtype=torch.uint8))
+            q.new_empty(_mask_shape(total, nheads, max_seqlen, dropout_p), dtype=torch.int32))
 
 
 def _bwd_fake(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen, dropout_p, softmax_scale):

@@ -190,8 +190,8 @@ def test_dropout_same_seed_reproducible():
 
 
 def test_forward_stores_the_mask_it_applied_as_bits():
-    """The backward reads the forward's mask bits instead of drawing again: bit k of byte j of row (h, t)
-    must be the keep decision for key 8j + k of query t, head h, as the forward applied it."""
+    """The backward reads the forward's mask bits instead of drawing again: bit k of word w of row (h, t) must
+    be the keep decision for key 32w + k of query t, head h, as the forward applied it."""
     import fastbert.ops.attention as attn
 
     lengths, heads, p, seed = [70, 9, 1, 33], 2, 0.3, 5
@@ -200,7 +200,8 @@ def test_forward_stores_the_mask_it_applied_as_bits():
     q = torch.zeros(total, heads, 32, device=DEVICE)
     _, _, bits = attn.varlen_attention_forward(q, q, q, cu_seqlens_of(lengths), max_seqlen, p, 1.0,
                                                torch.tensor([seed], dtype=torch.int64, device=DEVICE))
-    assert bits.shape == (heads, total, (max_seqlen + 7) // 8) and bits.dtype == torch.uint8
+    assert bits.shape == (heads, total, 2 * -(-max_seqlen // 64)) and bits.dtype == torch.int32  # whole words
+    bits = bits.view(torch.uint8)  # little-endian words: key 8j + k in bit k of byte j, as the bytes before them
     unpacked = (bits.long().unsqueeze(-1) >> torch.arange(8, device=bits.device)) & 1   # (nh, T, bytes, 8)
     unpacked = unpacked.flatten(2)[..., :max_seqlen].permute(1, 0, 2).bool()           # (T, nh, maxlen)
     valid = torch.cat([torch.arange(max_seqlen) < n for n in lengths for _ in range(n)]).view(total, 1, -1)
@@ -254,7 +255,7 @@ def test_custom_ops_pass_opcheck_and_compile():
     for p, s in ((0.0, None), (0.1, seed)):
         torch.library.opcheck(torch.ops.fastbert.varlen_attention_fwd.default, (q, k, v, cu, 20, p, 0.2, s))
         out, lse, mask = attn.varlen_attention_forward(q, k, v, cu, 20, p, 0.2, s)
-        assert mask.shape == ((2, 28, 3) if p else (0,)) and mask.dtype == torch.uint8
+        assert mask.shape == ((2, 28, 2) if p else (0,)) and mask.dtype == torch.int32
         torch.library.opcheck(torch.ops.fastbert.varlen_attention_bwd.default,
                               (torch.randn_like(out), q, k, v, out, lse, mask, cu, 20, p, 0.2))
 
