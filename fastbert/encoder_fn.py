@@ -76,21 +76,18 @@ def layer(ops, x, w: LayerWeights, cu_seqlens, max_seqlen: int, rows: Rows | Non
     nh = w.num_heads
     hd = w.qkv_weight.shape[0] // (3 * nh)  # spelled out: a batch may have no tokens at all
 
-    def linear(h, weight, bias, index):  # index: the linear's place in the layer (its FP8 history rows)
+    def linear(h, weight, bias, index):  # -> (output, h for a residual); index: the linear's place in the layer
         if w.fp8 is None:  # F.linear, its weight gradient written in the parameter's dtype (ops/linear.py)
-            return ops.linear_residual(h, weight, bias)[0]
-        history, first = w.fp8
-        return fp8_linear(h, weight, bias, history, first + 3 * index)
+            return ops.linear_residual(h, weight, bias)
+        history, first = w.fp8  # its FP8 history rows
+        return fp8_linear(h, weight, bias, history, first + 3 * index, residual=True)
 
     # Post-LN: the layer's input feeds the QKV projection and the residual add, the attention block's output
     # the FFN and the next residual add; those ops hand their input back as a second output for the residual,
-    # so its gradient joins theirs inside a GEMM instead of an addition kernel.
+    # so its gradient joins theirs inside a GEMM instead of an addition kernel (16-bit and FP8 alike).
     def attention(h):  # -> (output, probs, h for the residual)
         tokens = h.shape[0]
-        if w.fp8 is None:
-            qkv, h = ops.linear_residual(h, w.qkv_weight, w.qkv_bias)
-        else:
-            qkv = linear(h, w.qkv_weight, w.qkv_bias, 0)
+        qkv, h = linear(h, w.qkv_weight, w.qkv_bias, 0)
         qkv = qkv.view(tokens, 3, nh, hd)  # (T, 3, nh, hd)
         p = dropout.attention
         ctx = with_padding_rows(
@@ -98,17 +95,17 @@ def layer(ops, x, w: LayerWeights, cu_seqlens, max_seqlen: int, rows: Rows | Non
             qkv, rows, softmax_scale, p)  # (T, nh, hd)
         probs = (attention_maps_or_packed(qkv, rows, cu_seqlens, max_seqlen, softmax_scale)
                  if output_attentions else None)
-        out = linear(ctx.reshape(tokens, nh * hd), w.attention_out_weight, None, 1)  # bias: in add + norm
+        out = linear(ctx.reshape(tokens, nh * hd), w.attention_out_weight, None, 1)[0]  # bias: in add + norm
         return out, probs, h
 
     def ffn(h):  # -> (output, h for the residual); the output bias is left to the caller
         if not isinstance(activation, str):
-            y = activation(linear(h, w.intermediate_weight, w.intermediate_bias, 2))
-            return linear(y, w.output_weight, None, 3), h
+            z, h = linear(h, w.intermediate_weight, w.intermediate_bias, 2)
+            return linear(activation(z), w.output_weight, None, 3)[0], h
         if w.fp8 is not None:  # GELU and its derivative inside the FP8 casts
             history, first = w.fp8
             return fp8_ffn(h, w.intermediate_weight, w.intermediate_bias, w.output_weight, history, first + 6,
-                           activation), h
+                           activation, residual=True)
         # up-projection, GELU, down-projection in one op, so that GELU's derivative can join a GEMM
         return ops.ffn(h, w.intermediate_weight, w.intermediate_bias, w.output_weight, approximate=activation,
                        residual=True)

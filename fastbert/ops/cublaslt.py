@@ -13,6 +13,10 @@ added matrix into the output before the GEMM (a pass over it). :func:`gemm` comp
 ``"dgelu"``           D * gelu'(aux)
 ====================  =======================================================================
 
+:func:`scaled_addmm` is the FP8 GEMM ``torch._scaled_mm`` runs (per-tensor scales, fp32 accumulation) with an
+added 16-bit matrix, which ``_scaled_mm`` does not take: the FP8 linears' input gradient plus the residual's
+(ops/fp8.py).
+
 cuBLASLt's GELU is the tanh approximation (torch's ``F.gelu(approximate="tanh")``, HF's
 ``gelu_pytorch_tanh``), so only models with that activation take these paths (ops/ffn.py).
 
@@ -48,9 +52,11 @@ EPILOGUES = {"default": 1, "gelu": 32, "gelu_bias": 36, "gelu_aux": 160, "gelu_a
 _HAS_BIAS = ("gelu_bias", "gelu_aux_bias")
 _HAS_AUX = ("gelu_aux", "gelu_aux_bias", "dgelu")
 _CUDA_TYPES = {torch.float16: 2, torch.bfloat16: 14}  # cudaDataType_t
+_FP8_TYPES = {torch.float8_e4m3fn: 28, torch.float8_e5m2: 29}
 _COMPUTE_32F, _R_32F = 68, 0                            # cublasComputeType_t, cudaDataType_t
 # cublasLtMatmulDescAttributes_t, cublasLtMatmulPreferenceAttributes_t
 _TRANSA, _TRANSB, _EPILOGUE, _BIAS_POINTER, _AUX_POINTER, _AUX_LD = 3, 4, 7, 8, 11, 12
+_A_SCALE_POINTER, _B_SCALE_POINTER = 17, 18
 _PREF_WORKSPACE, _PREF_ALIGN = 1, (5, 6, 7, 8)          # max workspace; min alignment of A, B, C, D
 _WORKSPACE = 32 * 2**20
 
@@ -154,11 +160,12 @@ class _Lt:
     def _set(self, setter, obj, attr: int, value):
         self._check(setter(obj, attr, ctypes.byref(value), ctypes.sizeof(value)), f"attribute {attr}")
 
-    def problem(self, key, p: Plan, dtype, epilogue: str, ptrs: dict):
-        """The :class:`_Problem` for ``key``, made on first sight; None when cuBLASLt offers no algorithm."""
+    def problem(self, key, p: Plan, types: tuple, epilogue: str, ptrs: dict):
+        """The :class:`_Problem` for ``key``, made on first sight; None when cuBLASLt offers no algorithm.
+        ``types``: the cudaDataType_t of cuBLASLt's A (``b``), B (``a``) and C / D."""
         if key in self.problems:
             return self.problems[key]
-        lib, vp, cuda_t = self.lib, ctypes.c_void_p, _CUDA_TYPES[dtype]
+        lib, vp = self.lib, ctypes.c_void_p
         desc = vp()
         self._check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _R_32F), "MatmulDescCreate")
         setd = lib.cublasLtMatmulDescSetAttribute
@@ -169,9 +176,9 @@ class _Lt:
             self._set(setd, desc, _AUX_LD, ctypes.c_int64(p.ldd))
         self.pointers(desc, epilogue, ptrs)  # the heuristic reads their alignment
         layouts = []
-        for rows, cols, ld in ((p.k, p.m, p.lda) if p.trans_a else (p.m, p.k, p.lda),
-                               (p.n, p.k, p.ldb) if p.trans_b else (p.k, p.n, p.ldb),
-                               (p.m, p.n, p.ldd)):
+        for cuda_t, (rows, cols, ld) in zip(types, ((p.k, p.m, p.lda) if p.trans_a else (p.m, p.k, p.lda),
+                                                    (p.n, p.k, p.ldb) if p.trans_b else (p.k, p.n, p.ldb),
+                                                    (p.m, p.n, p.ldd))):
             layout = vp()
             self._check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), cuda_t, rows, cols, ld), "LayoutCreate")
             layouts.append(layout)
@@ -195,6 +202,9 @@ class _Lt:
             self._set(setd, desc, _BIAS_POINTER, ctypes.c_void_p(ptrs["bias"]))
         if epilogue in _HAS_AUX:
             self._set(setd, desc, _AUX_POINTER, ctypes.c_void_p(ptrs["aux"]))
+        if ptrs.get("scale_a"):  # FP8: cuBLASLt's A is b, its B is a
+            self._set(setd, desc, _A_SCALE_POINTER, ctypes.c_void_p(ptrs["scale_b"]))
+            self._set(setd, desc, _B_SCALE_POINTER, ctypes.c_void_p(ptrs["scale_a"]))
 
 
 def _alignment(ptr: int) -> int:
@@ -253,11 +263,19 @@ def gemm(a: torch.Tensor, b: torch.Tensor, epilogue: str, *, bias=None, aux=None
         out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
     if c is not None and (epilogue != "default" or c.shape != out.shape or not c.is_contiguous()):
         raise ValueError(f"cublaslt.gemm: c must be a contiguous {tuple(out.shape)} tensor, with the default epilogue")
-    ptrs = {"a": a.data_ptr(), "b": b.data_ptr(), "d": out.data_ptr(), "c": (c if c is not None else out).data_ptr(),
-            "bias": bias.data_ptr() if bias is not None else 0, "aux": aux.data_ptr() if aux is not None else 0}
+    return _run(p, a, b, epilogue, c, out, {"bias": bias.data_ptr() if bias is not None else 0,
+                                            "aux": aux.data_ptr() if aux is not None else 0})
+
+
+def _run(p: Plan, a, b, epilogue: str, c, out, extra: dict) -> Optional[torch.Tensor]:
+    """Run plan ``p`` (``out = a @ b`` [+ c], ``extra``: the epilogue's and scales' pointers); None when cuBLASLt
+    has no algorithm."""
+    ptrs = {"a": a.data_ptr(), "b": b.data_ptr(), "d": out.data_ptr(),
+            "c": (c if c is not None else out).data_ptr(), **extra}
+    types = tuple(_CUDA_TYPES.get(t.dtype) or _FP8_TYPES[t.dtype] for t in (b, a, out))
     lt = _lt()
-    key = (a.dtype, a.device.index, p, epilogue, c is not None) + tuple(_alignment(v) for v in ptrs.values())
-    entry = lt.problem(key, p, a.dtype, epilogue, ptrs)
+    key = (types, a.device.index, p, epilogue, c is not None) + tuple(_alignment(v) for v in ptrs.values())
+    entry = lt.problem(key, p, types, epilogue, ptrs)
     if entry is None:
         return None
     lt.pointers(entry.desc, epilogue, ptrs)
@@ -277,3 +295,24 @@ def addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     operands; elsewhere ``torch.addmm`` (which copies c into the output before its GEMM)."""
     out = gemm(a, b, "default", c=c) if eligible(a, b, c) and c.is_contiguous() else None
     return out if out is not None else torch.addmm(c, a, b)
+
+
+def scaled_addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                 scale_b: torch.Tensor) -> Optional[torch.Tensor]:
+    """``c + (scale_a a) @ (scale_b b)`` for FP8 ``a`` (row-major) and ``b`` (a column-major view, as
+    ``torch._scaled_mm`` takes them), ``c`` 16-bit and contiguous, fp32 accumulation, the result in c's dtype:
+    ``torch._scaled_mm(a, b, scale_a=..., scale_b=..., out_dtype=c.dtype) + c`` with the addition done by the
+    GEMM (one rounding, no pass of its own). ``scale_a`` / ``scale_b``: one-element fp32 device tensors (read by
+    the GEMM: a CUDA graph replays them). None, having done nothing, where cuBLASLt cannot: the caller adds."""
+    live = (a, b, c, scale_a, scale_b)
+    if (not all(t.is_cuda for t in live) or a.dtype not in _FP8_TYPES or b.dtype not in _FP8_TYPES
+            or a.dtype == b.dtype == torch.float8_e5m2 or c.dtype not in _CUDA_TYPES or not c.is_contiguous()
+            or any(t.dtype != torch.float32 or t.numel() != 1 for t in (scale_a, scale_b))
+            or any(t.data_ptr() % 16 for t in (a, b, c)) or any(d % 16 for d in (*a.shape, b.shape[1]))
+            or c.shape != (a.shape[0], b.shape[1]) or _lt() is None):
+        return None
+    p = plan(a, b)
+    if p is None or not p.trans_a or p.trans_b:  # FP8 GEMMs take both operands K-major (cuBLASLt's "TN")
+        return None
+    out = torch.empty_like(c)
+    return _run(p, a, b, "default", c, out, {"scale_a": scale_a.data_ptr(), "scale_b": scale_b.data_ptr()})

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fastbert.ops import cublaslt
 from fastbert.ops._common import HAS_TRITON, INTERPRET, autocast_dtype, sum_partials, tl, triton
 from fastbert.ops.ffn import gelu, gelu_grad
 
@@ -232,7 +233,22 @@ def _scaled_mm_bias(a8, b8, scale_a, scale_b, bias, out_dtype):
     return y + bias.to(out_dtype) if bias is not None and not fused else y
 
 
+def _dgrad(g8, wt8, sg, sw, out_dtype, dres):
+    """The input gradient ``(sg g8) @ (sw W)`` (``wt8``: W's transposed cast) plus ``dres``, the gradient that
+    reached the input through the residual connection, or None: added by the GEMM where cuBLASLt can take it
+    (``cublaslt.scaled_addmm``), else by torch after ``_scaled_mm``."""
+    if dres is not None:
+        dx = cublaslt.scaled_addmm(dres.contiguous(), g8, wt8.t(), sg, sw) if dres.dtype == out_dtype else None
+        if dx is not None:
+            return dx
+    dx = torch._scaled_mm(g8, wt8.t(), scale_a=sg, scale_b=sw, out_dtype=out_dtype)
+    return dx if dres is None else dx + dres
+
+
 class _Fp8Linear(torch.autograd.Function):
+    """``(x2 @ W^T + b, x2)``: the input is handed back as a second output for a residual connection, whose
+    gradient then joins the input gradient inside its GEMM (``_dgrad``; unused, it costs nothing)."""
+
     @staticmethod
     def forward(ctx, x2, weight, bias, history, rows, out_dtype):
         x8, x8t, sx, _ = cast_fp8(x2, history, rows, E4M3)
@@ -241,24 +257,28 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.save_for_backward(x8t, w8t, sx, sw)
         ctx.history, ctx.rows, ctx.has_bias = history, rows, bias is not None
         ctx.dtypes = (x2.dtype, weight.dtype, bias.dtype if bias is not None else None)
-        return y
+        ctx.set_materialize_grads(False)  # an unused output's gradient is None, not zeros
+        return y, x2
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dy):
+    def backward(ctx, dy, dres):
+        if dy is None:  # only the residual's gradient arrived
+            return dres, None, None, None, None, None
         x8t, w8t, sx, sw = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         g8, g8t, sg, db = cast_fp8(dy, ctx.history, ctx.rows + 2, E5M2, colsum=ctx.has_bias)
         # dx = dy @ W: (T, N) x (N, K), W column-major = W^T's rows; dW = dy^T @ x: (N, T) x (T, K).
-        dx = torch._scaled_mm(g8, w8t.t(), scale_a=sg, scale_b=sw, out_dtype=x_dtype)
+        dx = _dgrad(g8, w8t, sg, sw, x_dtype, dres)
         dw = torch._scaled_mm(g8t, x8t.t(), scale_a=sg, scale_b=sx, out_dtype=w_dtype)
         return dx, dw, db.to(b_dtype) if db is not None else None, None, None, None
 
 
 class _Fp8Ffn(torch.autograd.Function):
-    """``gelu(x @ W1^T + b1) @ W2^T`` (no output bias) with four FP8 GEMMs forward and back; the GELU
+    """``(gelu(x @ W1^T + b1) @ W2^T, x)`` (no output bias) with four FP8 GEMMs forward and back; the GELU
     runs inside the cast of the down-projection's input (the activation never exists in 16 bits) and
-    its derivative inside the cast of the up-projection's output gradient, which also sums d(b1)."""
+    its derivative inside the cast of the up-projection's output gradient, which also sums d(b1). x comes
+    back for a residual connection, as from ``_Fp8Linear``."""
 
     @staticmethod
     def forward(ctx, x2, w1, b1, w2, history, rows, approximate, out_dtype):
@@ -272,11 +292,14 @@ class _Fp8Ffn(torch.autograd.Function):
         ctx.save_for_backward(x8t, w18t, sx, sw1, z, y8t, w28t, sy, sw2)
         ctx.history, ctx.rows, ctx.approximate = history, rows, approximate
         ctx.dtypes = (x2.dtype, w1.dtype, b1.dtype if b1 is not None else None, w2.dtype)
-        return out
+        ctx.set_materialize_grads(False)
+        return out, x2
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dout):
+    def backward(ctx, dout, dres):
+        if dout is None:
+            return dres, None, None, None, None, None, None, None
         x8t, w18t, sx, sw1, z, y8t, w28t, sy, sw2 = ctx.saved_tensors
         x_dtype, w1_dtype, b1_dtype, w2_dtype = ctx.dtypes
         up, down = ctx.rows, ctx.rows + 3
@@ -285,7 +308,7 @@ class _Fp8Ffn(torch.autograd.Function):
         dw2 = torch._scaled_mm(g8t, y8t.t(), scale_a=sg, scale_b=sy, out_dtype=w2_dtype)
         dz8, dz8t, sdz, db1 = cast_fp8(dy, ctx.history, up + 2, E5M2, colsum=b1_dtype is not None,
                                        gelu=ctx.approximate, z=z)
-        dx = torch._scaled_mm(dz8, w18t.t(), scale_a=sdz, scale_b=sw1, out_dtype=x_dtype)
+        dx = _dgrad(dz8, w18t, sdz, sw1, x_dtype, dres)
         dw1 = torch._scaled_mm(dz8t, x8t.t(), scale_a=sdz, scale_b=sx, out_dtype=w1_dtype)
         return dx, dw1, db1.to(b1_dtype) if db1 is not None else None, dw2, None, None, None, None
 
@@ -294,29 +317,36 @@ def _aligned(*dims: int) -> bool:
     return all(d % ALIGN == 0 and d > 0 for d in dims)
 
 
-def _apply(function, x: torch.Tensor, in_features: int, out_features: int, *args):
+def _apply(function, x: torch.Tensor, in_features: int, out_features: int, residual: bool, *args):
     """``function`` (an FP8 autograd function) on ``x`` as ``(tokens, in_features)`` rows, outside autocast;
-    its result in the dtype F.linear would give (autocast's, else x's), shaped like ``x``."""
+    its result in the dtype F.linear would give (autocast's, else x's), shaped like ``x``; with ``residual``
+    also x for the residual connection (the function's second output: its gradient joins the input
+    gradient's GEMM)."""
     out_dtype = autocast_dtype(x.device) or x.dtype
     with torch.autocast(x.device.type, enabled=False):
-        y = function.apply(x.reshape(-1, in_features), *args, out_dtype)
-    return y.view(*x.shape[:-1], out_features)
+        y, x2 = function.apply(x.reshape(-1, in_features), *args, out_dtype)
+    y = y.view(*x.shape[:-1], out_features)
+    return (y, x2.view(x.shape)) if residual else y
 
 
 def fp8_ffn(x: torch.Tensor, w1: torch.Tensor, b1, w2: torch.Tensor, history: AmaxHistory, rows: int,
-            approximate: str = "none"):
+            approximate: str = "none", residual: bool = False):
     """``F.linear(F.gelu(F.linear(x, w1, b1), approximate), w2)`` with FP8 GEMMs; ``rows``: the up-projection's
-    first history row, the down-projection's three follow. Shapes ``_scaled_mm`` cannot take run the
-    16/32-bit ops."""
+    first history row, the down-projection's three follow. ``residual``: return ``(output, x)``, x to be used
+    for the residual connection (see ``_apply``). Shapes ``_scaled_mm`` cannot take run the 16/32-bit ops."""
     if not _aligned(x.numel() // w1.shape[1], *w1.shape, *w2.shape):
-        return F.linear(F.gelu(F.linear(x, w1, b1), approximate=approximate), w2)
-    return _apply(_Fp8Ffn, x, w1.shape[1], w2.shape[0], w1, b1, w2, history, rows, approximate)
+        y = F.linear(F.gelu(F.linear(x, w1, b1), approximate=approximate), w2)
+        return (y, x) if residual else y
+    return _apply(_Fp8Ffn, x, w1.shape[1], w2.shape[0], residual, w1, b1, w2, history, rows, approximate)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias, history: AmaxHistory, rows: int):
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias, history: AmaxHistory, rows: int,
+               residual: bool = False):
     """``F.linear(x, weight, bias)`` with FP8 GEMMs; ``rows``: the first of this linear's three
     history rows (input, weight, output gradient). Under autocast the result is in the autocast
-    dtype, as F.linear's; shapes that ``_scaled_mm`` cannot take run F.linear itself."""
+    dtype, as F.linear's; shapes that ``_scaled_mm`` cannot take run F.linear itself. ``residual``: return
+    ``(output, x)``, x to be used for the residual connection (see ``_apply``)."""
     if not _aligned(x.numel() // weight.shape[1], *weight.shape):
-        return F.linear(x, weight, bias)
-    return _apply(_Fp8Linear, x, weight.shape[1], weight.shape[0], weight, bias, history, rows)
+        y = F.linear(x, weight, bias)
+        return (y, x) if residual else y
+    return _apply(_Fp8Linear, x, weight.shape[1], weight.shape[0], residual, weight, bias, history, rows)

@@ -151,3 +151,24 @@ def test_gpu_graph_capture_replays():
     z = a.float() @ b.float() + bias.float()
     torch.testing.assert_close(aux.float(), z, atol=0.3, rtol=2e-2)
     torch.testing.assert_close(out.float(), F.gelu(z, approximate=TANH), atol=0.3, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("a_dtype", [torch.float8_e5m2, torch.float8_e4m3fn])
+def test_gpu_scaled_addmm_matches_scaled_mm_plus_c(a_dtype):
+    """The FP8 GEMM with the added matrix read by the GEMM: ``_scaled_mm``'s result plus c, within the one
+    bf16 rounding the separate addition adds; the scales are read from the device at each call."""
+    g = torch.Generator().manual_seed(4)
+    m, k, n = 512, 1024, 768
+    a = (torch.randn(m, k, generator=g) * 4).to("cuda", a_dtype)
+    b = (torch.randn(n, k, generator=g) * 8).to("cuda", torch.float8_e4m3fn).t()  # column-major view, as W^T
+    c = torch.randn(m, n, generator=g).to("cuda", torch.bfloat16)
+    sa, sb = torch.tensor(0.01, device="cuda"), torch.tensor(0.02, device="cuda")
+    out = cublaslt.scaled_addmm(c, a, b, sa, sb)
+    assert out is not None, "cuBLASLt offered no algorithm"
+    want = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32) + c.float()
+    torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2)
+    sb.fill_(0.04)  # same pointer, new value: the GEMM reads it
+    want2 = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32) + c.float()
+    torch.testing.assert_close(cublaslt.scaled_addmm(c, a, b, sa, sb).float(), want2, rtol=1e-2, atol=1e-2)
+    assert cublaslt.scaled_addmm(c, a, b.t().contiguous(), sa, sb) is None  # b row-major: not cuBLASLt's FP8 TN

@@ -239,6 +239,40 @@ def test_fp8_ffn_matches_torch(autocast, approximate):
     assert (hist.amax[:, 1] > 0).all()  # all six casts recorded this forward
 
 
+@pytest.mark.parametrize("op", ["linear", "ffn"])
+def test_residual_gradient_joins_the_input_gradient(op):
+    """``residual=True`` hands x back for the residual connection: the gradient reaching it is added to the input
+    gradient by the input-gradient GEMM (cuBLASLt on a GPU; after ``_scaled_mm`` elsewhere), so x's gradient is
+    the one autograd gets when x itself feeds the residual (bitwise off the GPU: the same addition)."""
+    g = torch.Generator().manual_seed(5)
+    t, k, n = 64, 32, 48
+    x0 = torch.randn(t, k, generator=g).to(DEVICE)
+    w1 = (torch.randn(n, k, generator=g) * k ** -0.5).to(DEVICE)
+    b1 = (torch.randn(n, generator=g) * 0.1).to(DEVICE)
+    w2 = (torch.randn(k, n, generator=g) * n ** -0.5).to(DEVICE)
+    dy = (torch.randn(t, n if op == "linear" else k, generator=g) * 1e-3).to(DEVICE)
+    dres = (torch.randn(t, k, generator=g) * 1e-3).to(DEVICE)
+
+    def run(residual):
+        x = x0.clone().requires_grad_()
+        hist = AmaxHistory(6, DEVICE)
+        hist.advance()
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            f = (lambda *a: fp8_linear(x, w1, b1, hist, 0, *a)) if op == "linear" else \
+                (lambda *a: fp8_ffn(x, w1, b1, w2, hist, 0, "none", *a))
+            y, r = f(True) if residual else (f(), x)
+        assert r.shape == x.shape and torch.equal(r, x)
+        torch.autograd.backward([y, r], [dy.to(y.dtype), dres.to(r.dtype)])
+        return x.grad
+
+    fused, plain = run(True), run(False)
+    if DEVICE == "cuda":  # one rounding of dx + dres instead of two
+        torch.testing.assert_close(fused, plain, rtol=1e-2, atol=1e-2)
+    else:
+        assert torch.equal(fused, plain)
+    assert rel(fused, dres) > 0.05  # the GEMM's part is there too
+
+
 def test_unaligned_shapes_run_linear():
     x, w = torch.randn(7, 64, device=DEVICE), torch.randn(32, 64, device=DEVICE)
     h = fresh_history()
