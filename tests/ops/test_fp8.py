@@ -208,18 +208,23 @@ def test_fp8_linear_matches_linear(has_bias, autocast):
     assert rel(F.linear(x, w.t().reshape(n, k)), y_ref) > 0.5
 
 
+def ffn_tensors(seed, t, h, i, dy_cols):
+    """(generator, x (t, h), w1 (i, h), b1 (i,), w2 (h, i), a small output gradient (t, dy_cols)) at the scales of a
+    trained layer: unit inputs, weights of 1/sqrt(fan-in)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g).to(DEVICE)
+    w1 = (torch.randn(i, h, generator=g) * h ** -0.5).to(DEVICE)
+    b1 = (torch.randn(i, generator=g) * 0.1).to(DEVICE)
+    w2 = (torch.randn(h, i, generator=g) * i ** -0.5).to(DEVICE)
+    return g, x, w1, b1, w2, (torch.randn(t, dy_cols, generator=g) * 1e-3).to(DEVICE)
+
+
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("autocast", [False, True])
 def test_fp8_ffn_matches_torch(autocast, approximate):
     """Up-projection, GELU, down-projection: output and every gradient within the FP8 bounds (the FFN
     chains two GEMMs, so the forward errors of both and the backward errors of both add: 2x the bounds)."""
-    g = torch.Generator().manual_seed(9)
-    t, h, i = 64, 32, 128
-    x = torch.randn(t, h, generator=g).to(DEVICE)
-    w1 = (torch.randn(i, h, generator=g) * h ** -0.5).to(DEVICE)
-    b1 = (torch.randn(i, generator=g) * 0.1).to(DEVICE)
-    w2 = (torch.randn(h, i, generator=g) * i ** -0.5).to(DEVICE)
-    dy = (torch.randn(t, h, generator=g) * 1e-3).to(DEVICE)
+    _, x, w1, b1, w2, dy = ffn_tensors(9, 64, 32, 128, 32)
     hist = AmaxHistory(6, DEVICE)
     hist.advance()
 
@@ -244,13 +249,8 @@ def test_residual_gradient_joins_the_input_gradient(op):
     """``residual=True`` hands x back for the residual connection: the gradient reaching it is added to the input
     gradient by the input-gradient GEMM (cuBLASLt on a GPU; after ``_scaled_mm`` elsewhere), so x's gradient is
     the one autograd gets when x itself feeds the residual (bitwise off the GPU: the same addition)."""
-    g = torch.Generator().manual_seed(5)
     t, k, n = 64, 32, 48
-    x0 = torch.randn(t, k, generator=g).to(DEVICE)
-    w1 = (torch.randn(n, k, generator=g) * k ** -0.5).to(DEVICE)
-    b1 = (torch.randn(n, generator=g) * 0.1).to(DEVICE)
-    w2 = (torch.randn(k, n, generator=g) * n ** -0.5).to(DEVICE)
-    dy = (torch.randn(t, n if op == "linear" else k, generator=g) * 1e-3).to(DEVICE)
+    g, x0, w1, b1, w2, dy = ffn_tensors(5, t, k, n, n if op == "linear" else k)
     dres = (torch.randn(t, k, generator=g) * 1e-3).to(DEVICE)
 
     def run(residual):
