@@ -441,7 +441,7 @@ def varlen_attention_forward(q, k, v, cu_seqlens, max_seqlen: int, dropout_p: fl
     total, nheads, head_dim = q.shape
     out = torch.empty((total, nheads, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((nheads, total), dtype=torch.float32, device=q.device)
-    # zeros: bytes past a short sequence's end are never written (a memset of 1/16 of a bf16 score matrix)
+    # zeros: words past a short sequence's end are never written (a memset of 1/16 of a bf16 score matrix)
     mask = torch.zeros(_mask_shape(total, nheads, max_seqlen, dropout_p), dtype=torch.int32, device=q.device)
     batch = cu_seqlens.shape[0] - 1
     if total == 0 or batch == 0 or max_seqlen == 0:
