@@ -57,8 +57,8 @@ def add_parser(sub):
     p.add_argument("--freeze-encoder", action="store_true",
                    help="feature-based: train only the task head on frozen BERT features")
     add_kernels_argument(p)
-    p.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
-                   help="auto = bf16 on CUDA, fp32 on the CPU")
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16", "fp8"), default="auto",
+                   help="auto = bf16 on CUDA, fp32 on the CPU; fp8 = bf16 with the encoder's GEMMs in FP8 (Ada/Hopper)")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2), help="DeepSpeed ZeRO stage (default 0)")
     p.add_argument("--deepspeed-config", default=None, help="DeepSpeed JSON with extra ZeRO/offload settings")
     p.add_argument("--no-save-model", action="store_true", help="do not write the fine-tuned weights")

@@ -36,7 +36,7 @@ class TrainArgs:
     max_grad_norm: float = 1.0
     seed: int = 42
     freeze_encoder: bool = False
-    precision: str = "auto"          # fp32 | bf16 | fp16 | auto (bf16 on CUDA, fp32 on CPU)
+    precision: str = "auto"          # fp32 | bf16 | fp16 | fp8 | auto (bf16 on CUDA, fp32 on CPU)
     zero_stage: int = 0
     ds_config: Optional[str] = None  # DeepSpeed JSON with ZeRO / offload settings
     static_batches: bool = True      # token-bucketed packed batches where the task supports them
@@ -152,13 +152,14 @@ def build_finetune_engine(model: torch.nn.Module, groups: list[dict], args: Trai
     import deepspeed
 
     from fastbert.training.engine import (TrainEngine, build_ds_config, deepspeed_view, init_distributed,
-                                          resolve_precision)
+                                          resolve_precision, use_fp8)
     from fastbert.training.optim import OptimizerSpec
 
     dist = init_distributed()
     model = model.to(dist.device)
     spec = OptimizerSpec(type="adamw", lr=args.lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=args.weight_decay)
     precision = resolve_precision(args.precision, dist.device)
+    use_fp8(model, args.precision)
     opt_groups = [{k: v for k, v in g.items() if k != "name"} for g in groups]
     fused = dist.device.type == "cuda"
     optimizer = torch.optim.AdamW(opt_groups, lr=args.lr, betas=spec.betas, eps=spec.eps,

@@ -191,6 +191,15 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return precision
 
 
+def use_fp8(model: torch.nn.Module, precision: str) -> None:
+    """With ``precision == "fp8"``, turn on ``model.config.fp8`` (the encoder's training GEMMs in FP8); a model
+    without that switch (not a fastbert model) is refused."""
+    if precision == "fp8":
+        if not hasattr(getattr(model, "config", None), "fp8"):
+            raise EngineConfigError("precision=fp8 needs a fastbert model (BertConfig.fp8); use precision=bf16")
+        model.config.fp8 = True
+
+
 def load_ds_config(ds_config: Union[str, os.PathLike, dict, None]) -> dict:
     if ds_config is None:
         return {}
@@ -447,10 +456,7 @@ def build_engine(model: torch.nn.Module, ds_config=None, *, optimizer: Union[dic
     spec = optimizer if isinstance(optimizer, OptimizerSpec) else OptimizerSpec.from_dict(optimizer or {})
     global_batch_size = global_batch_size or micro_batch_size * dist.world_size
     resolved = resolve_precision(precision, dist.device)
-    if precision == "fp8":
-        if not hasattr(getattr(model, "config", None), "fp8"):
-            raise EngineConfigError("precision=fp8 needs a fastbert model (BertConfig.fp8); use precision=bf16")
-        model.config.fp8 = True
+    use_fp8(model, precision)
     model = model.to(dist.device)
     # Marks checkpoints as convertible to DeepSpeed's universal format (resume on another rank count).
     if getattr(model, "universal_checkpoint_info", None) is None:

@@ -191,3 +191,25 @@ def test_finetune_steps_read_nothing_back_between_logs(monkeypatch):
     monkeypatch.undo()
     assert len(steps) == 6 and result.steps == 6 and len(result.losses) == 6
     assert reads and all(n in (3, 6) for n, _ in reads), [r for r in reads if r[0] not in (3, 6)][:3]
+
+
+def test_finetune_fp8_precision_trains_with_the_fp8_gemms():
+    """``--precision fp8``: the fine-tuning engine turns on BertConfig.fp8 (on the CPU the engine runs fp32 and
+    torch emulates the FP8 GEMMs), and the encoder's casts record their amaxes while the loss stays finite."""
+    import numpy as np
+    from fastbert.data.static_batch import pack_examples
+    from fastbert.tasks.trainer import TrainArgs, build_finetune_engine, train
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                     max_position_embeddings=32, num_labels=2, kernels="torch")
+    model = BertForSequenceClassification(cfg)
+    args = TrainArgs(epochs=1, batch_size=4, log_every=2, progress=False, precision="fp8", seed=0)
+    engine = build_finetune_engine(model, param_groups(model, args.lr, None, args.weight_decay, False), args)
+    assert model.config.fp8 and engine.precision == "fp32"
+    rng = np.random.default_rng(0)
+    features = [{"input_ids": [1] + rng.integers(5, 100, size=int(rng.integers(3, 20))).tolist() + [2],
+                 "labels": int(rng.integers(0, 2))} for _ in range(8)]
+    result = train(engine, features, lambda rows: {"packed": {**pack_examples(rows, 32), "max_seqlen": 32}}, args)
+    assert result.steps == 2 and all(np.isfinite(loss) for _, loss in result.losses)
+    history = model.bert.encoder._fp8_history
+    assert history is not None and (history.amax.amax(1) > 0).all()  # every cast of the layer ran in FP8
