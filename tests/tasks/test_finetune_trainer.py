@@ -150,6 +150,29 @@ def test_regression_head_as_hf_run_glue(minilm_dir):
     torch.testing.assert_close(ours.loss, theirs.loss, atol=1e-5, rtol=1e-5)
 
 
+def tiny_finetune(kernels, precision, n_examples, log_every):
+    """(model, fine-tuning engine, args, examples): a 1-layer classifier on ``n_examples`` random examples of 5 to
+    21 tokens, batch 4, one epoch."""
+    import numpy as np
+    from fastbert.tasks.trainer import TrainArgs, build_finetune_engine
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                     max_position_embeddings=32, num_labels=2, kernels=kernels)
+    model = BertForSequenceClassification(cfg)
+    args = TrainArgs(epochs=1, batch_size=4, log_every=log_every, progress=False, precision=precision, seed=0)
+    engine = build_finetune_engine(model, param_groups(model, args.lr, None, args.weight_decay, False), args)
+    rng = np.random.default_rng(0)
+    examples = [{"input_ids": [1] + rng.integers(5, 100, size=int(rng.integers(3, 20))).tolist() + [2],
+                 "labels": int(rng.integers(0, 2))} for _ in range(n_examples)]
+    return model, engine, args, examples
+
+
+def packed_rows(rows):
+    """The static-batch collate: the examples back to back, padded to a token bucket (max_seqlen 32)."""
+    from fastbert.data.static_batch import pack_examples
+    return {"packed": {**pack_examples(rows, 32), "max_seqlen": 32}}
+
+
 def test_finetune_steps_read_nothing_back_between_logs(monkeypatch):
     """The fine-tuning loop on static batches (the GPU path; Triton's interpreter here) reads no value
     from the device inside a step: Tensor.item / tolist / __bool__ / nonzero run only at the
@@ -159,18 +182,8 @@ def test_finetune_steps_read_nothing_back_between_logs(monkeypatch):
     counters stay on the device and are never read)."""
     import sys
 
-    import numpy as np
-    from fastbert.data.static_batch import pack_examples
-    from fastbert.tasks.trainer import TrainArgs, build_finetune_engine, train
-    torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-                     max_position_embeddings=32, num_labels=2, kernels="triton")
-    model = BertForSequenceClassification(cfg)
-    args = TrainArgs(epochs=1, batch_size=4, log_every=3, progress=False, precision="fp32", seed=0)
-    engine = build_finetune_engine(model, param_groups(model, args.lr, None, args.weight_decay, False), args)
-    rng = np.random.default_rng(0)
-    features = [{"input_ids": [1] + rng.integers(5, 100, size=int(rng.integers(3, 20))).tolist() + [2],
-                 "labels": int(rng.integers(0, 2))} for _ in range(24)]
+    from fastbert.tasks.trainer import train
+    _, engine, args, features = tiny_finetune("triton", "fp32", 24, log_every=3)
     steps, reads = [], []
     engine_step = engine.step
 
@@ -187,7 +200,7 @@ def test_finetune_steps_read_nothing_back_between_logs(monkeypatch):
                 reads.append((len(steps), f"{_name} in {caller.f_code.co_filename}:{caller.f_lineno}"))
             return _orig(self, *a, **k)
         monkeypatch.setattr(torch.Tensor, name, read)
-    result = train(engine, features, lambda rows: {"packed": {**pack_examples(rows, 32), "max_seqlen": 32}}, args)
+    result = train(engine, features, packed_rows, args)
     monkeypatch.undo()
     assert len(steps) == 6 and result.steps == 6 and len(result.losses) == 6
     assert reads and all(n in (3, 6) for n, _ in reads), [r for r in reads if r[0] not in (3, 6)][:3]
@@ -197,19 +210,10 @@ def test_finetune_fp8_precision_trains_with_the_fp8_gemms():
     """``--precision fp8``: the fine-tuning engine turns on BertConfig.fp8 (on the CPU the engine runs fp32 and
     torch emulates the FP8 GEMMs), and the encoder's casts record their amaxes while the loss stays finite."""
     import numpy as np
-    from fastbert.data.static_batch import pack_examples
-    from fastbert.tasks.trainer import TrainArgs, build_finetune_engine, train
-    torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-                     max_position_embeddings=32, num_labels=2, kernels="torch")
-    model = BertForSequenceClassification(cfg)
-    args = TrainArgs(epochs=1, batch_size=4, log_every=2, progress=False, precision="fp8", seed=0)
-    engine = build_finetune_engine(model, param_groups(model, args.lr, None, args.weight_decay, False), args)
+    from fastbert.tasks.trainer import train
+    model, engine, args, features = tiny_finetune("torch", "fp8", 8, log_every=2)
     assert model.config.fp8 and engine.precision == "fp32"
-    rng = np.random.default_rng(0)
-    features = [{"input_ids": [1] + rng.integers(5, 100, size=int(rng.integers(3, 20))).tolist() + [2],
-                 "labels": int(rng.integers(0, 2))} for _ in range(8)]
-    result = train(engine, features, lambda rows: {"packed": {**pack_examples(rows, 32), "max_seqlen": 32}}, args)
+    result = train(engine, features, packed_rows, args)
     assert result.steps == 2 and all(np.isfinite(loss) for _, loss in result.losses)
     history = model.bert.encoder._fp8_history
     assert history is not None and (history.amax.amax(1) > 0).all()  # every cast of the layer ran in FP8
