@@ -199,18 +199,18 @@ def _cast_fp8_kernel(X, Z, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm
         tl.store(SCALE_INV, tl.math.div_rn(tl.full((), 1.0, tl.float32), scale))
 
 
-# (BLOCK_M, BLOCK_N, num_warps) of the cast on a GPU per pre-op (none, GELU, GELU's derivative): an H100 sweep,
-# benchmarks/RESULTS.md; tensors of at least _WIDE elements index in 64 bits
-CAST_TILES = {0: (64, 64, 4, 1), 1: (32, 128, 4, 1), 2: (64, 64, 4, 1)}
+# (BLOCK_M, BLOCK_N, num_warps, ROW_TILES) of the cast on a GPU per pre-op (none, GELU, GELU's derivative): an H100
+# sweep (eleventh session, benchmarks/RESULTS.md); tensors of at least _WIDE elements index in 64 bits
+CAST_TILES = {0: (64, 64, 4, 1), 1: (64, 64, 4, 1), 2: (32, 64, 4, 4)}
 _WIDE = 2**31
 
 
 def cast_fp8_triton(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torch.dtype, colsum: bool = False,
                     gelu: str | None = None, z: torch.Tensor | None = None, tile: tuple | None = None):
-    """``cast_fp8_ref`` of ``pre_op_ref(x, gelu, z)`` in one kernel pass (the tile's amax goes in with an
-    atomic max); with ``colsum`` also its column sums in fp32 (per row tile, then ``sum_partials``: deterministic),
-    else None. ``tile``: (BLOCK_M, BLOCK_N, num_warps); default ``CAST_TILES`` of the pre-op (32 x 32 x 4 in the
-    interpreter)."""
+    """``cast_fp8_ref`` of ``pre_op_ref(x, gelu, z)`` in one kernel pass (each program's amax goes in with an
+    atomic max); with ``colsum`` also its column sums in fp32 (per program, then ``sum_partials``: deterministic),
+    else None. ``tile``: (BLOCK_M, BLOCK_N, num_warps, ROW_TILES); default ``CAST_TILES`` of the pre-op (32 x 32,
+    4 warps, 2 row tiles in the interpreter, to run the loop)."""
     m, n = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
