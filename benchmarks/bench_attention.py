@@ -335,7 +335,8 @@ def main(argv=None) -> int:
     result["meta"] = dict(
         device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, dtype="bfloat16",
         configs={"/".join(map(str, k)): v for k, v in attn._GPU_CONFIGS.items()},
-        short_bwd=dict(max_seqlen=attn._SHORT_BWD_MAX, block_m_warps_stages=attn._SHORT_BWD_LAUNCH))
+        short_bwd=dict(max_seqlen=attn._SHORT_BWD_MAX, block_m_warps_stages=attn._SHORT_BWD_LAUNCH,
+                       without_dropout=attn._SHORT_BWD_LAUNCH_NO_DROPOUT))
     print(json.dumps(result["meta"]), flush=True)
     for shape in shapes:
         for dist in dists:

@@ -366,7 +366,10 @@ def _bwd_dq_kernel(
 _GPU_CONFIGS = {
     ("fwd", 64, "short"): (64, 64, 4, 3),
     ("fwd", 64, "long"): (64, 64, 4, 3),
-    ("fwd_dropout", 64, "long"): (64, 32, 4, 3),  # with dropout: 137.5 vs 142.2 us (H100, B=16 H=16 S=512, p=0.1)
+    # with dropout, 32-key tiles (H100, p=0.1, graph-replayed fwd+bwd): B=16 H=16 S=512 full rows 0.4328 vs 0.4407 ms;
+    # B=128 H=16 S=128 at 60% fill 211.6 vs 224.5 us (eleventh session)
+    ("fwd_dropout", 64, "short"): (64, 32, 4, 3),
+    ("fwd_dropout", 64, "long"): (64, 32, 4, 3),
     ("dq", 64, "long"): (64, 32, 4, 3),
     ("dkdv", 64, "long"): (32, 128, 4, 2),
     ("fwd", 128, "short"): (64, 32, 4, 3),
@@ -376,12 +379,13 @@ _GPU_CONFIGS = {
 }
 _SHORT_BWD_MAX = 128
 # BLOCK -> (query block BLOCK_M, num_warps, num_stages) of the fused short backward (the dK/dV kernel with
-# FUSED_DQ), chosen with attention dropout (BERT's training setting) on an H100 (fifth session, each launch
-# shape in its own process, checked against the former query-major kernel; B=128 H=16 D=64, p=0.1): 128-token
-# rows (64, 8, 1) 234.6 us on full rows, 178.9 us with lengths uniform in [38, 128] (the former query-major
-# kernel's best, (32, 8, 1): 281.0 / 203.3 us); 64-token rows (32, 4, 1) 77.0 us on real paragraph lengths
-# (B=64; former 77.7 us).
-_SHORT_BWD_LAUNCH = {16: (16, 4, 1), 32: (32, 4, 1), 64: (32, 4, 1), 128: (64, 8, 1)}
+# FUSED_DQ), with attention dropout (BERT's training setting) and without. The fifth session chose (64, 8, 1) /
+# (32, 4, 1) for 128 / 64-token rows with dropout on full rows and real paragraph lengths; the eleventh swept
+# each launch at B=128 H=16 S=128 with lengths uniform in [0.2 S, S] (60% fill; fwd+bwd, us, p=0.1 / p=0): 128-token
+# rows (128, 8, 1) 211.5 / 161.1, (64, 8, 1) 223.4 / 163.3, (32, 4, 2) 227.8 / 153.2; 64-token rows (64, 4, 1)
+# 219.6 / 162.2, (32, 4, 1) 225.0 / 162.9. benchmarks/RESULTS.md, eleventh session.
+_SHORT_BWD_LAUNCH = {16: (16, 4, 1), 32: (32, 4, 1), 64: (64, 4, 1), 128: (128, 8, 1)}
+_SHORT_BWD_LAUNCH_NO_DROPOUT = {16: (16, 4, 1), 32: (32, 4, 1), 64: (64, 4, 1), 128: (32, 4, 2)}
 _INTERPRETER_CONFIG = (32, 32, 1, 1)
 
 
@@ -413,10 +417,12 @@ def _short_bwd_blocks(head_dim: int, max_seqlen: int):
     return [64, 128] if block == 128 else [block]
 
 
-def _short_bwd_launch(block: int, device: torch.device):
+def _short_bwd_launch(block: int, device: torch.device, dropout: bool):
     """(BLOCK_M, num_warps, num_stages) of the fused short backward for ``block`` (the interpreter: 16-row
     query blocks, to exercise the loop)."""
-    return _SHORT_BWD_LAUNCH[block] if device.type == "cuda" else (min(16, block), 1, 1)
+    if device.type != "cuda":
+        return min(16, block), 1, 1
+    return (_SHORT_BWD_LAUNCH if dropout else _SHORT_BWD_LAUNCH_NO_DROPOUT)[block]
 
 
 def _dropout_args(dropout_p: float):
@@ -494,7 +500,7 @@ def _backward_packed(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen: int,
     if blocks is not None:
         min_len = 0
         for block in blocks:
-            block_m, warps, stages = _short_bwd_launch(block, q.device)
+            block_m, warps, stages = _short_bwd_launch(block, q.device, dropout_p > 0.0)
             _bwd_dkdv_kernel[(1, batch, nheads)](
                 q, k, v, out, dout, lse, lse, mask, dq, dk, dv, cu_seqlens, *strides_in, *strides_kv, *common, min_len,
                 BLOCK_M=block_m, BLOCK_N=block, FUSED_DQ=True, num_warps=warps, num_stages=stages, **consts)

@@ -131,35 +131,14 @@ def _fp8_codes(v, FP8_MAX: tl.constexpr, E5M2: tl.constexpr, HW: tl.constexpr):
 
 
 @triton.jit
-def _cast_tile(X, Z, Y, YT, row_start, cols, M, N, scale, stride_xm, stride_zm, words_m, FP8_MAX: tl.constexpr,
-               E5M2: tl.constexpr, HW: tl.constexpr, PRE: tl.constexpr, APPROX_TANH: tl.constexpr, WIDE: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Cast the (BLOCK_M, BLOCK_N) tile of rows ``row_start + [0, BLOCK_M)`` x ``cols``: store it and its transpose;
-    return the fp32 values cast (before scaling; 0 where masked off)."""
-    rows = row_start + tl.arange(0, BLOCK_M)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    ri = rows.to(tl.int64) if WIDE else rows
-    ci = cols.to(tl.int64) if WIDE else cols
-    x = _pre_op(X, Z, ri[:, None], ci[None, :], mask, stride_xm, stride_zm, PRE, APPROX_TANH, 2 if HW else 1)
-    codes = _fp8_codes(x * scale, FP8_MAX, E5M2, HW)  # masked-off elements: 0
-    tl.store(Y + ri[:, None] * N + ci[None, :], codes.to(tl.uint8), mask=mask)
-    shifts = tl.arange(0, 4) * 8
-    words = tl.sum(tl.reshape(tl.trans(codes), (BLOCK_N, BLOCK_M // 4, 4)) << shifts[None, None, :], axis=2)
-    wi = row_start // 4 + tl.arange(0, BLOCK_M // 4)
-    tl.store(YT + ci[:, None] * words_m + wi[None, :], words, mask=(cols[:, None] < N) & (wi[None, :] < words_m))
-    return x
-
-
-@triton.jit
 def _cast_fp8_kernel(X, Z, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm, stride_zm,
                      FP8_MAX: tl.constexpr, E5M2: tl.constexpr, HW: tl.constexpr, HISTORY_LEN: tl.constexpr,
                      PRE: tl.constexpr, APPROX_TANH: tl.constexpr, WITH_COLSUM: tl.constexpr, WIDE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_TILES: tl.constexpr):
-    """ROW_TILES (BLOCK_M, BLOCK_N) tiles, one under the other: scale from the history row's previous slots,
-    cast, store each tile and its transpose (``_cast_tile``), fold the tiles' finite amax into the current slot
-    (one atomic max a program); with WITH_COLSUM also the program's fp32 column sums (a bias gradient, reduced
-    over programs by the caller). What is cast (``pre_op_ref``): PRE 0 ``x``, 1 ``gelu(x)``, 2 ``x * gelu'(z)``.
-    The amax and the column sums accumulate element-wise across the tiles and are reduced once a program.
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One (BLOCK_M, BLOCK_N) tile: scale from the history row's previous slots, cast, store the tile
+    and its transpose, fold the tile's finite amax into the current slot; with WITH_COLSUM also the
+    tile's fp32 column sums (a bias gradient, reduced over row tiles by the caller). What is cast
+    (``pre_op_ref``): PRE 0 ``x``, 1 ``gelu(x)``, 2 ``x * gelu'(z)``.
 
     The source is read once and the pre-op computed once. ``Y`` is the (M, N) result as bytes; ``YT`` the
     transpose as int32 words, four rows of the source in each (its rows padded to a multiple of 4 bytes):
@@ -170,47 +149,42 @@ def _cast_fp8_kernel(X, Z, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm
     cur = tl.load(STEP) % HISTORY_LEN
     prev = tl.max(tl.where(slots == cur, 0.0, tl.load(HIST + slots)), axis=0)
     scale = tl.where(prev > 0.0, tl.math.div_rn(tl.full((), FP8_MAX, tl.float32), prev), 1.0)  # IEEE, as torch
-    row0 = tl.program_id(0) * (ROW_TILES * BLOCK_M)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    ri = rows.to(tl.int64) if WIDE else rows
+    ci = cols.to(tl.int64) if WIDE else cols
+    x = _pre_op(X, Z, ri[:, None], ci[None, :], mask, stride_xm, stride_zm, PRE, APPROX_TANH, 2 if HW else 1)
+    codes = _fp8_codes(x * scale, FP8_MAX, E5M2, HW)  # masked-off elements: 0
+    tl.store(Y + ri[:, None] * N + ci[None, :], codes.to(tl.uint8), mask=mask)
+    shifts = tl.arange(0, 4) * 8
+    words = tl.sum(tl.reshape(tl.trans(codes), (BLOCK_N, BLOCK_M // 4, 4)) << shifts[None, None, :], axis=2)
+    wi = tl.program_id(0) * (BLOCK_M // 4) + tl.arange(0, BLOCK_M // 4)
     words_m = (M + 3) // 4
-    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    colsum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for t in range(ROW_TILES):
-        x = _cast_tile(X, Z, Y, YT, row0 + t * BLOCK_M, cols, M, N, scale, stride_xm, stride_zm, words_m, FP8_MAX, E5M2, HW, PRE,
-                       APPROX_TANH, WIDE, BLOCK_M, BLOCK_N)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-        if WITH_COLSUM:
-            colsum += x
-    prog_amax = tl.max(amax, axis=0)
-    if (prog_amax >= float("inf")) | (prog_amax != prog_amax):  # an inf or NaN here (rare): the largest finite |x|
-        fin = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for t in range(ROW_TILES):
-            rows = row0 + t * BLOCK_M + tl.arange(0, BLOCK_M)
-            mask = (rows[:, None] < M) & (cols[None, :] < N)
-            a = tl.abs(_pre_op(X, Z, rows[:, None].to(tl.int64), cols[None, :].to(tl.int64), mask, stride_xm,
-                               stride_zm, PRE, APPROX_TANH, 2 if HW else 1))
-            fin = tl.maximum(fin, tl.max(tl.where(a < float("inf"), a, 0.0), axis=1))
-        prog_amax = tl.max(fin, axis=0)
-    tl.atomic_max(HIST + cur, prog_amax)
+    tl.store(YT + ci[:, None] * words_m + wi[None, :], words, mask=(cols[:, None] < N) & (wi[None, :] < words_m))
+    a = tl.abs(x)
+    tile_amax = tl.max(tl.max(a, axis=1), axis=0)
+    if (tile_amax >= float("inf")) | (tile_amax != tile_amax):  # an inf or NaN here (rare): the largest finite |x|
+        tile_amax = tl.max(tl.max(tl.where(a < float("inf"), a, 0.0), axis=1), axis=0)
+    tl.atomic_max(HIST + cur, tile_amax)
     if WITH_COLSUM:
-        ci = cols.to(tl.int64) if WIDE else cols
-        tl.store(COLSUM + tl.program_id(0) * N + ci, tl.sum(colsum, axis=0), mask=cols < N)
+        tl.store(COLSUM + tl.program_id(0) * N + ci, tl.sum(x, axis=0), mask=cols < N)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(SCALE_INV, tl.math.div_rn(tl.full((), 1.0, tl.float32), scale))
 
 
-# (BLOCK_M, BLOCK_N, num_warps, ROW_TILES) of the cast on a GPU per pre-op (none, GELU, GELU's derivative): an H100
-# sweep (eleventh session, benchmarks/RESULTS.md); tensors of at least _WIDE elements index in 64 bits
-CAST_TILES = {0: (64, 64, 4, 1), 1: (64, 64, 4, 1), 2: (32, 64, 4, 4)}
+# (BLOCK_M, BLOCK_N, num_warps) of the cast on a GPU per pre-op (none, GELU, GELU's derivative): an H100 sweep,
+# benchmarks/RESULTS.md; tensors of at least _WIDE elements index in 64 bits
+CAST_TILES = {0: (64, 64, 4), 1: (32, 128, 4), 2: (64, 64, 4)}
 _WIDE = 2**31
 
 
 def cast_fp8_triton(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torch.dtype, colsum: bool = False,
                     gelu: str | None = None, z: torch.Tensor | None = None, tile: tuple | None = None):
-    """``cast_fp8_ref`` of ``pre_op_ref(x, gelu, z)`` in one kernel pass (each program's amax goes in with an
-    atomic max); with ``colsum`` also its column sums in fp32 (per program, then ``sum_partials``: deterministic),
-    else None. ``tile``: (BLOCK_M, BLOCK_N, num_warps, ROW_TILES); default ``CAST_TILES`` of the pre-op (32 x 32,
-    4 warps, 2 row tiles in the interpreter, to run the loop)."""
+    """``cast_fp8_ref`` of ``pre_op_ref(x, gelu, z)`` in one kernel pass (the tile's amax goes in with an
+    atomic max); with ``colsum`` also its column sums in fp32 (per row tile, then ``sum_partials``: deterministic),
+    else None. ``tile``: (BLOCK_M, BLOCK_N, num_warps); default ``CAST_TILES`` of the pre-op (32 x 32 x 4 in the
+    interpreter)."""
     m, n = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -221,16 +195,15 @@ def cast_fp8_triton(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torc
     x8t = torch.empty((n, m4), dtype=dtype, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     pre = 0 if gelu is None else (1 if z is None else 2)
-    block_m, block_n, warps, row_tiles = tile or ((32, 32, 4, 2) if INTERPRET else CAST_TILES[pre])
-    grid = (triton.cdiv(m, block_m * row_tiles), triton.cdiv(n, block_n))
+    block_m, block_n, warps = tile or ((32, 32, 4) if INTERPRET else CAST_TILES[pre])
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     parts = torch.empty((grid[0], n) if colsum else (0,), dtype=torch.float32, device=x.device)
     wide = m4 * max(n, x.stride(0), z.stride(0) if z is not None else 0) >= _WIDE
     _cast_fp8_kernel[grid](x, z if z is not None else x, x8.view(torch.uint8), x8t.view(torch.int32),
                            history.amax[row], history.step, scale_inv, parts, m, n, x.stride(0),
                            z.stride(0) if z is not None else 0, FP8_MAX=FP8_MAX[dtype], E5M2=dtype == E5M2,
                            HW=not INTERPRET, HISTORY_LEN=HISTORY, PRE=pre, APPROX_TANH=gelu == "tanh",
-                           WITH_COLSUM=colsum, WIDE=wide, BLOCK_M=block_m, BLOCK_N=block_n, ROW_TILES=row_tiles,
-                           num_warps=warps)
+                           WITH_COLSUM=colsum, WIDE=wide, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
     if m4 != m:  # rows that are not whole words (never in the model: its GEMM dimensions are multiples of 16)
         x8t = x8t[:, :m].contiguous()
     return x8, x8t, scale_inv, sum_partials(parts.view(grid[0], 1, n), [torch.float32])[0] if colsum else None
