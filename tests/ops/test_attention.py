@@ -273,6 +273,22 @@ def test_custom_ops_pass_opcheck_and_compile():
 
 
 # ---------------------------------------------------------------------------------- GPU
+def test_launch_shapes_keyed_by_dropout():
+    """The forward and the fused short backward take their own launch shapes with dropout (where a table has
+    them); head dim 128 has no dropout entry and falls back; the interpreter has one shape."""
+    from fastbert.ops import attention as A
+    cuda = torch.device("cuda")  # only its type is read
+    assert A._launch_config("fwd", 64, 128, cuda, dropout=True) == A._GPU_CONFIGS[("fwd_dropout", 64, "short")]
+    assert A._launch_config("fwd", 64, 512, cuda, dropout=True) == A._GPU_CONFIGS[("fwd_dropout", 64, "long")]
+    assert A._launch_config("fwd", 64, 512, cuda) == A._GPU_CONFIGS[("fwd", 64, "long")]
+    assert A._launch_config("fwd", 128, 512, cuda, dropout=True) == A._GPU_CONFIGS[("fwd", 128, "long")]
+    assert A._launch_config("fwd", 64, 40, cuda, dropout=True)[:2] == (64, 32)  # 64-row cap; 32 keys: whole words
+    assert A._short_bwd_launch(128, cuda, True) == A._SHORT_BWD_LAUNCH[128]
+    assert A._short_bwd_launch(128, cuda, False) == A._SHORT_BWD_LAUNCH_NO_DROPOUT[128]
+    assert A._SHORT_BWD_LAUNCH.keys() == A._SHORT_BWD_LAUNCH_NO_DROPOUT.keys()
+    assert A._launch_config("fwd", 64, 128, torch.device("cpu"), dropout=True) == A._INTERPRETER_CONFIG
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("seq", [128, 512])
 @pytest.mark.parametrize("heads", [12, 16], ids=["bert-base", "bert-large"])
