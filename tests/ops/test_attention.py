@@ -272,7 +272,6 @@ def test_custom_ops_pass_opcheck_and_compile():
     torch.testing.assert_close(g_c, g_e, rtol=0, atol=0)
 
 
-# ---------------------------------------------------------------------------------- GPU
 def test_launch_shapes_keyed_by_dropout():
     """The forward and the fused short backward take their own launch shapes with dropout (where a table has
     them); head dim 128 has no dropout entry and falls back; the interpreter has one shape."""
@@ -289,6 +288,7 @@ def test_launch_shapes_keyed_by_dropout():
     assert A._launch_config("fwd", 64, 128, torch.device("cpu"), dropout=True) == A._INTERPRETER_CONFIG
 
 
+# ---------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("seq", [128, 512])
 @pytest.mark.parametrize("heads", [12, 16], ids=["bert-base", "bert-large"])

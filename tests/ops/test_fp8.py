@@ -49,7 +49,7 @@ def test_cast_kernel_matches_reference(shape, src, dtype, wide, monkeypatch):
     g = torch.Generator().manual_seed(shape[0] * 131 + shape[1])
     x = (torch.randn(*shape, generator=g) * 3).to(DEVICE, src)
     x[0, 0] = float("inf")  # left out of the amax, saturates in the cast
-    x[-1, 0] = -float("inf")  # (37, 70): in a program's second row tile (the interpreter's tiles: 2 x 32 rows)
+    x[-1, 0] = -float("inf")  # (37, 70): in another program's tile than [0, 0] (the interpreter's 32-row tiles)
     hk, hr = fresh_history(), fresh_history()
     for h in (hk, hr):  # a history: scale from the previous slots, not this one
         h.amax[0, 0] = 5.0
