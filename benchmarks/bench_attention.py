@@ -243,27 +243,31 @@ SWEEP_LONG = {  # longer sequences: the two-kernel backward
 }
 
 
-def _apply(kind, bucket, choice):
-    """Set one launch choice in the attention module (the sweep keeps the best one applied)."""
-    if kind in ("fwd", "dq", "dkdv"):
+def _apply(kind, bucket, choice, dropout):
+    """Set one launch choice in the attention module's table for runs with (``dropout``) or without dropout; the
+    long backward kernels (dq, dkdv) have one table for both."""
+    if kind == "fwd":
+        attn._GPU_CONFIGS[("fwd_dropout" if dropout else "fwd", 64, bucket)] = choice
+    elif kind in ("dq", "dkdv"):
         attn._GPU_CONFIGS[(kind, 64, bucket)] = choice
-        return
-    attn._SHORT_BWD_LAUNCH[128 if kind == "bwd128" else 64] = choice
+    else:
+        table = attn._SHORT_BWD_LAUNCH if dropout else attn._SHORT_BWD_LAUNCH_NO_DROPOUT
+        table[128 if kind == "bwd128" else 64] = choice
 
 
 def _state():
-    return dict(attn._GPU_CONFIGS), dict(attn._SHORT_BWD_LAUNCH)
+    return dict(attn._GPU_CONFIGS), dict(attn._SHORT_BWD_LAUNCH), dict(attn._SHORT_BWD_LAUNCH_NO_DROPOUT)
 
 
 def _restore(state):
-    attn._GPU_CONFIGS, attn._SHORT_BWD_LAUNCH = (dict(x) for x in state)
+    attn._GPU_CONFIGS, attn._SHORT_BWD_LAUNCH, attn._SHORT_BWD_LAUNCH_NO_DROPOUT = (dict(x) for x in state)
 
 
 def sweep(which: str) -> dict:
-    """Time launch candidates kernel by kernel (GPU time, CUDA graphs) and keep the fastest applied.
-    Backward candidates are timed as the whole backward, with attention dropout p=0.1 (BERT's training
-    setting, where register pressure is highest) and ranked by that; the time without dropout is shown
-    beside it."""
+    """Time launch candidates kernel by kernel (GPU time, CUDA graphs) with attention dropout p=0.1 (BERT's
+    training setting, where register pressure is highest) and without, and keep the fastest of each applied to
+    its table (the forward and the fused short backward have one per setting; the long backward kernels one for
+    both, ranked with dropout). Backward candidates are timed as the whole backward."""
     plans = []
     if which in ("short", "all"):
         # 128-token buckets on full rows (packed pretraining), the 64-token one on real paragraph lengths
@@ -276,30 +280,36 @@ def sweep(which: str) -> dict:
         q, k, v = case.qkv.detach().unbind(1)
         args = (case.cu_seqlens, max(case.lengths), 0.0, 1 / math.sqrt(case.head_dim))
         train = (case.cu_seqlens, max(case.lengths), 0.1, 1 / math.sqrt(case.head_dim))
+        seed = dropout_seed(0.1, 0, q.device)
         out, lse, mask = attn.varlen_attention_forward(q, k, v, *args, 0)
-        out_d, lse_d, mask_d = attn.varlen_attention_forward(q, k, v, *train, dropout_seed(0.1, 0, q.device))
-        fwd = lambda: attn.varlen_attention_forward(q, k, v, *args, 0)  # noqa: E731
-        bwd = lambda: attn._backward_packed(case.dout, q, k, v, out_d, lse_d, mask_d, *train)  # noqa: E731
-        bwd_p0 = lambda: attn._backward_packed(case.dout, q, k, v, out, lse, mask, *args)  # noqa: E731
+        out_d, lse_d, mask_d = attn.varlen_attention_forward(q, k, v, *train, seed)
+        runs = {  # kind -> (with dropout, without)
+            "fwd": (lambda: attn.varlen_attention_forward(q, k, v, *train, seed),
+                    lambda: attn.varlen_attention_forward(q, k, v, *args, 0)),
+            "bwd": (lambda: attn._backward_packed(case.dout, q, k, v, out_d, lse_d, mask_d, *train),
+                    lambda: attn._backward_packed(case.dout, q, k, v, out, lse, mask, *args)),
+        }
         key = case_name(case)
         results[key] = {}
         for kind, candidates in plan.items():
+            with_drop, without = runs["fwd" if kind == "fwd" else "bwd"]
             timings = []
             for choice in candidates:
                 state = _state()
-                _apply(kind, bucket, choice)
+                _apply(kind, bucket, choice, True)
+                _apply(kind, bucket, choice, False)
                 try:
-                    no_drop = graph_ms(bwd_p0) if kind != "fwd" else None
-                    timings.append((graph_ms(fwd if kind == "fwd" else bwd), str(choice), choice, no_drop))
+                    timings.append((graph_ms(with_drop), graph_ms(without), str(choice), choice))
                 except Exception as e:  # noqa: BLE001 - out of shared memory etc.: report, go on
                     print(f"  sweep {kind} {choice}: {type(e).__name__}: {str(e)[:80]}")
                 _restore(state)
-            timings.sort(key=lambda t: t[0])
-            _apply(kind, bucket, timings[0][2])
-            results[key][kind] = [{"choice": c, "ms": t, "ms_without_dropout": t0} for t, c, _, t0 in timings]
-            print(f"  sweep {key} {kind}{' (p=0.1; p=0 in brackets)' if kind != 'fwd' else ''}: " + "  ".join(
-                f"{c}={t * 1e3:.1f}us" + (f" [{t0 * 1e3:.1f}]" if t0 is not None else "") for t, c, _, t0 in timings),
-                flush=True)
+            best_drop, best_p0 = min(timings, key=lambda t: t[0]), min(timings, key=lambda t: t[1])
+            _apply(kind, bucket, best_p0[3], False)
+            _apply(kind, bucket, best_drop[3], True)  # dq / dkdv: one table, ranked with dropout
+            results[key][kind] = [{"choice": c, "ms": t, "ms_without_dropout": t0} for t, t0, c, _ in timings]
+            print(f"  sweep {key} {kind} (p=0.1; p=0 in brackets): " + "  ".join(
+                f"{c}={t * 1e3:.1f}us [{t0 * 1e3:.1f}]" for t, t0, c, _ in timings) +
+                f"  -> {best_drop[2]} with dropout, {best_p0[2]} without", flush=True)
     return results
 
 

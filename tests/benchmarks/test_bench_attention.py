@@ -18,3 +18,24 @@ def test_wiki_lengths_are_clipped():
     lengths = sample_lengths("wiki", 5000, 128, np.random.default_rng(0))
     assert min(lengths) >= 3 and max(lengths) <= 128
     assert set(DISTS) == {"full", "uniform", "fill60", "wiki"}
+
+
+def test_sweep_applies_each_setting_to_its_own_table():
+    """``--sweep`` keeps one winner with dropout and one without: each lands in its own launch table."""
+    from benchmarks.bench_attention import _apply, _restore, _state
+    from fastbert.ops import attention as attn
+    state = _state()
+    try:
+        _apply("fwd", "short", (1, 2, 3, 4), True)
+        _apply("fwd", "short", (5, 6, 7, 8), False)
+        assert attn._GPU_CONFIGS[("fwd_dropout", 64, "short")] == (1, 2, 3, 4)
+        assert attn._GPU_CONFIGS[("fwd", 64, "short")] == (5, 6, 7, 8)
+        _apply("bwd128", "short", (9, 9, 9), True)
+        _apply("bwd64", "short", (7, 7, 7), False)
+        assert attn._SHORT_BWD_LAUNCH[128] == (9, 9, 9) and attn._SHORT_BWD_LAUNCH_NO_DROPOUT[128] == state[2][128]
+        assert attn._SHORT_BWD_LAUNCH_NO_DROPOUT[64] == (7, 7, 7) and attn._SHORT_BWD_LAUNCH[64] == state[1][64]
+        _apply("dkdv", "long", (3, 3, 3, 3), False)
+        assert attn._GPU_CONFIGS[("dkdv", 64, "long")] == (3, 3, 3, 3)
+    finally:
+        _restore(state)
+    assert (attn._GPU_CONFIGS, attn._SHORT_BWD_LAUNCH, attn._SHORT_BWD_LAUNCH_NO_DROPOUT) == state
