@@ -614,7 +614,7 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_sca
 
     ``max_seqlen`` must be at least the longest sequence in ``cu_seqlens``. ``seed`` (int or tensor)
     fixes the dropout mask; ``None`` draws one on the device, so ``torch.manual_seed`` makes runs
-    repeatable. The mask is regenerated in backward, never stored.
+    repeatable. The forward keeps the mask it drew as bits (1/16 of a bf16 score matrix) for the backward.
     """
     _check_inputs(q, k, v, cu_seqlens, dropout_p)
     cast = autocast_dtype(q.device)
