@@ -36,6 +36,8 @@ class Ops(NamedTuple):
     mlm_loss: Callable
     attention_qkvpacked: Callable  # attention on one (T, 3, nh, hd) tensor, gradient packed too
     linear_residual: Callable  # (F.linear(x, w, b), x): the residual's gradient joins dx inside its GEMM
+    # FP8 QKV projection + attention as one op (its backward writes the FP8 gradient operands), or None
+    fp8_qkv_attention: Optional[Callable] = None
 
 
 def get_ops(kernels: str) -> Ops:
@@ -54,6 +56,7 @@ def get_ops(kernels: str) -> Ops:
         from fastbert.ops.attention import varlen_attention, varlen_attention_qkvpacked
         from fastbert.ops.embeddings import bert_embeddings, bert_embeddings_ref
         from fastbert.ops.ffn import ffn
+        from fastbert.ops.fp8_attention import fp8_qkv_attention
         from fastbert.ops.layer_norm import dropout_add_layer_norm
         from fastbert.ops.linear import linear_residual
         from fastbert.ops.mlm_loss import sparse_mlm_loss
@@ -61,5 +64,5 @@ def get_ops(kernels: str) -> Ops:
         # (torch.use_deterministic_algorithms) takes the reference, whose index_add is deterministic there.
         embeddings = bert_embeddings_ref if torch.are_deterministic_algorithms_enabled() else bert_embeddings
         return Ops(embeddings, dropout_add_layer_norm, ffn, varlen_attention, sparse_mlm_loss,
-                   varlen_attention_qkvpacked, linear_residual)
+                   varlen_attention_qkvpacked, linear_residual, fp8_qkv_attention)
     raise ValueError(f"unknown kernels={kernels!r}; use 'torch' or 'triton'")

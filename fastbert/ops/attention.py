@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from fastbert.ops._common import (
-    autocast_dtype, check_dropout_p, check_triton_device, drop_threshold, dropout_bits, dropout_seed,
-    keep_from_bits, register_op, tl, triton)
+    INTERPRET, autocast_dtype, check_dropout_p, check_triton_device, drop_threshold, dropout_bits, dropout_seed,
+    keep_from_bits, register_op, sum_partials, tl, triton)
+from fastbert.ops.fp8 import E5M2, HISTORY, _fp8_codes, finite_amax_of, history_scale
 from fastbert.padding import unpad_by_seqlens, pad, unpad
 
 
@@ -145,6 +146,43 @@ def _stored_keep_t(mask_base, rows, col0, COLS: tl.constexpr, stride_mask_t, row
     return tl.trans(keep_from_bits(tl.load(ptrs, mask=row_mask[:, None] & in_row[None, :], other=0)))
 
 
+@triton.jit
+def _store_grad(P, PT, x, start64, head, stride_t, stride_h, stride_tt, rows, offs_d, row_mask, mask_d, scale,
+                FP8_OUT: tl.constexpr, HW: tl.constexpr):
+    """Store the fp32 gradient tile ``x`` (rows ``rows`` of a sequence starting at token ``start64``, one head)
+    of a ``(T, .., nh, hd)`` tensor P in P's dtype; with FP8_OUT as e5m2 codes of ``x * scale`` (P: bytes) and
+    their transpose into PT, whose row ``head * hd + d`` holds the tokens (ld ``stride_tt``): the operands of the
+    QKV projection's backward GEMMs (``fp8_attention``). The codes' transpose moves 32-bit values between
+    threads, as the FP8 cast's does (``fp8._cast_fp8_kernel``). Returns the tile's finite amax and column sums
+    with FP8_OUT (its amax-history entry and its share of the bias gradient; computed first, so that x is dead
+    once the codes exist), else zeros."""
+    ptrs = P + start64 * stride_t + head * stride_h + rows[:, None] * stride_t + offs_d[None, :]
+    mask = row_mask[:, None] & mask_d[None, :]
+    if FP8_OUT:
+        x = tl.where(mask, x, 0.0)
+        amax = finite_amax_of(tl.abs(x))
+        sums = tl.sum(x, 0)
+        codes = _fp8_codes(x * scale, 57344.0, True, HW)  # e5m2, saturated to its largest finite value
+        tl.store(ptrs, codes.to(tl.uint8), mask=mask)
+        # row head * hd + d (stride_h == hd: the column within q, k or v); 32-bit offsets from the tile's
+        # corner (hd * T < 2^31): 64-bit ones per element spilled (sm_90 compile report: 192 bytes -> 0)
+        corner = PT + (head * stride_h).to(tl.int64) * stride_tt + start64
+        tl.store(corner + offs_d[:, None] * stride_tt + rows[None, :], tl.trans(codes.to(tl.uint8)),
+                 mask=mask_d[:, None] & row_mask[None, :])
+    else:
+        tl.store(ptrs, x.to(P.dtype.element_ty), mask=mask)
+        amax = 0.0
+        sums = offs_d * 0.0
+    return amax, sums
+
+
+@triton.jit
+def _fp8_finish(HIST, cur, amax, PARTS, part_row, stride_part, col0, sums, offs_d, mask_d):
+    """Fold a program's amax into the history's current slot; store its column sums as one partial row."""
+    tl.atomic_max(HIST + cur, amax)
+    tl.store(PARTS + part_row.to(tl.int64) * stride_part + col0 + offs_d, sums, mask=mask_d)
+
+
 @triton.jit(do_not_specialize=["max_seqlen", "threshold"])
 def _fwd_kernel(
     Q, K, V, O, LSE, MASK, CU_SEQLENS,
@@ -221,8 +259,10 @@ def _bwd_dkdv_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_ot, stride_oh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     stride_lse_h, stride_mask_h, stride_mask_t, qk_scale, softmax_scale, keep_scale, min_len,
+    DQT, DKT, DVT, HIST, STEP, SCALE_INV, PARTS, stride_tt, stride_part,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED_DQ: tl.constexpr,
+    FP8_OUT: tl.constexpr, HW: tl.constexpr, HISTORY_LEN: tl.constexpr,
 ):
     """One program = one block of BLOCK_N keys of one (sequence, head), looping over its queries in blocks
     of BLOCK_M. The scores are computed key-major (S^T = K Q^T), so P^T and dS^T feed the dV and dK GEMMs
@@ -233,10 +273,20 @@ def _bwd_dkdv_kernel(
     (dQ = dS K: dS^T goes through shared memory once; computing dQ^T = K^T dS^T and storing it transposed
     raised illegal memory accesses on the H100 with Triton 3.6) and computes delta = rowsum(O * dO) from O;
     one launch, no atomics, K and V read once. Otherwise DELTA comes from the dQ kernel, which ran first.
+
+    FP8_OUT: the gradients go out as e5m2 codes scaled from the amax history row HIST, with their transposes
+    (DQT, DKT, DVT), the amax and the bias gradient's partial column sums (``_store_grad``, PARTS row
+    ``pid_n * batch + seq``) instead of in Q's dtype.
     """
     pid_n = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
+    if FP8_OUT:
+        scale, cur = history_scale(HIST, STEP, HISTORY_LEN, 57344.0)
+        if (pid_n == 0) & (seq == 0) & (head == 0):
+            tl.store(SCALE_INV, tl.math.div_rn(tl.full((), 1.0, tl.float32), scale))
+    else:
+        scale, cur = 1.0, 0
     start = tl.load(CU_SEQLENS + seq)
     seqlen = tl.load(CU_SEQLENS + seq + 1) - start
     if FUSED_DQ:
@@ -258,6 +308,8 @@ def _bwd_dkdv_kernel(
     delta_base = DELTA + head * stride_lse_h + start
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    amax = tl.full((), 0.0, tl.float32)
+    dq_sums = tl.zeros([BLOCK_D], dtype=tl.float32)
     mask_base = MASK + head.to(tl.int64) * stride_mask_h + start64 * stride_mask_t
     for start_m in range(0, seqlen, BLOCK_M):
         rows = start_m + offs_m
@@ -286,14 +338,25 @@ def _bwd_dkdv_kernel(
         dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
         if FUSED_DQ:
             dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION) * softmax_scale  # (BLOCK_M, BLOCK_D)
-            tl.store(DQ + start64 * stride_dqt + head * stride_dqh + rows[:, None] * stride_dqt + offs_d[None, :],
-                     dq.to(DQ.dtype.element_ty), mask=mask_md)
+            tile_amax, sums = _store_grad(DQ, DQT, dq, start64, head, stride_dqt, stride_dqh, stride_tt, rows, offs_d,
+                                          mask_m, mask_d, scale, FP8_OUT, HW)
+            amax = tl.maximum(amax, tile_amax)
+            dq_sums += sums
 
     dk = dk * softmax_scale
-    tl.store(DK + start64 * stride_dkt + head * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
-             dk.to(DK.dtype.element_ty), mask=mask_nd)
-    tl.store(DV + start64 * stride_dvt + head * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=mask_nd)
+    dk_amax, dk_sums = _store_grad(DK, DKT, dk, start64, head, stride_dkt, stride_dkh, stride_tt, offs_n, offs_d,
+                                   mask_n, mask_d, scale, FP8_OUT, HW)
+    dv_amax, dv_sums = _store_grad(DV, DVT, dv, start64, head, stride_dvt, stride_dvh, stride_tt, offs_n, offs_d,
+                                   mask_n, mask_d, scale, FP8_OUT, HW)
+    if FP8_OUT:
+        part_row = pid_n * tl.num_programs(1) + seq
+        cols = stride_part // 3  # nh * hd: q's, k's and v's columns
+        if FUSED_DQ:
+            tl.store(PARTS + part_row.to(tl.int64) * stride_part + head * stride_dkh + offs_d, dq_sums, mask=mask_d)
+        tl.store(PARTS + part_row.to(tl.int64) * stride_part + cols + head * stride_dkh + offs_d, dk_sums,
+                 mask=mask_d)
+        _fp8_finish(HIST, cur, tl.maximum(amax, tl.maximum(dk_amax, dv_amax)), PARTS, part_row, stride_part,
+                    2 * cols + head * stride_dvh, dv_sums, offs_d, mask_d)
 
 
 @triton.jit
@@ -302,13 +365,16 @@ def _bwd_dq_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_ot, stride_oh, stride_dqt, stride_dqh,
     stride_lse_h, stride_mask_h, stride_mask_t, qk_scale, softmax_scale, keep_scale,
+    DQT, HIST, STEP, PARTS, stride_tt, stride_part,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP8_OUT: tl.constexpr, HW: tl.constexpr, HISTORY_LEN: tl.constexpr,
 ):
     """One program = one block of BLOCK_M queries of one (sequence, head), looping over its keys.
 
     It also computes and stores ``delta = rowsum(O * dO)`` (fp32), the softmax-backward row term
     the dK/dV kernel reads, which therefore runs after this one: no separate preprocess pass.
+    FP8_OUT: dQ as the dK/dV kernel's FP8_OUT writes it (PARTS row ``pid_m * batch + seq``).
     """
     pid_m = tl.program_id(0)
     seq = tl.program_id(1)
@@ -355,8 +421,15 @@ def _bwd_dq_kernel(
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
 
     dq = dq * softmax_scale
-    tl.store(DQ + start64 * stride_dqt + head * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=mask_md)
+    if FP8_OUT:
+        scale, cur = history_scale(HIST, STEP, HISTORY_LEN, 57344.0)
+    else:
+        scale, cur = 1.0, 0
+    amax, sums = _store_grad(DQ, DQT, dq, start64, head, stride_dqt, stride_dqh, stride_tt, offs_m, offs_d, mask_m,
+                             mask_d, scale, FP8_OUT, HW)
+    if FP8_OUT:
+        _fp8_finish(HIST, cur, amax, PARTS, pid_m * tl.num_programs(1) + seq, stride_part, head * stride_dqh, sums,
+                    offs_d, mask_d)
 
 
 # ============================================================================ host wrappers
@@ -480,45 +553,97 @@ def varlen_attention_backward(dout, q, k, v, out, lse, mask, cu_seqlens, max_seq
 
 
 def _backward_packed(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen: int, dropout_p: float,
-                     softmax_scale: float):
-    """The gradients as one ``(T, 3, nh, hd)`` tensor (custom ops may not return aliasing outputs)."""
+                     softmax_scale: float, fp8=None):
+    """The gradients as one ``(T, 3, nh, hd)`` tensor (custom ops may not return aliasing outputs).
+
+    ``fp8`` = (history, row): the gradients instead as the QKV projection's FP8 backward wants them, with
+    the cast ``fp8.cast_fp8`` would make of the ``(T, 3 nh hd)`` gradient written by the kernels themselves:
+    ``(e5m2 codes, their transpose, scale_inv, fp32 column sums)``, the amax recorded in ``history``'s row
+    ``row`` (which must be primed: ``AmaxHistory.prime``)."""
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     total, nheads, head_dim = q.shape
-    dqkv = torch.empty((total, 3, nheads, head_dim), dtype=q.dtype, device=q.device)
+    dqkv = torch.empty((total, 3, nheads, head_dim), dtype=torch.uint8 if fp8 else q.dtype, device=q.device)
     dq, dk, dv = dqkv.unbind(1)  # (T, nh, hd) each
     batch = cu_seqlens.shape[0] - 1
-    if total == 0 or batch == 0 or max_seqlen == 0:
-        return dqkv
-    consts = _kernel_constants(q, dropout_p)
     blocks = _short_bwd_blocks(head_dim, max_seqlen)
+    launch_rows = 1 if blocks is not None else triton.cdiv(max_seqlen, min(
+        _launch_config("dq", head_dim, max_seqlen, q.device)[0], _launch_config("dkdv", head_dim, max_seqlen,
+                                                                               q.device)[1]))
+    fp8_out = _Fp8Outputs(fp8, dqkv, launch_rows * batch) if fp8 else None
+    empty = total == 0 or batch == 0 or max_seqlen == 0
+    if not empty:
+        _launch_backward(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen, dropout_p, softmax_scale,
+                         (dq, dk, dv), blocks, fp8_out)
+    return fp8_out.result() if fp8 else dqkv
+
+
+class _Fp8Outputs:
+    """The FP8 backward's outputs besides the codes (``_backward_packed``'s ``fp8``): the transposed codes
+    ``(3 nh hd, T)``, scale_inv, the column sums' partial rows, and the kernels' FP8 arguments."""
+
+    def __init__(self, fp8, dqkv, part_rows: int):
+        history, row = fp8
+        total, _, nheads, head_dim = dqkv.shape
+        width = 3 * nheads * head_dim
+        self.codes, self.history, self.row = dqkv.view(total, width), history, row
+        self.codes_t = torch.empty((width, total), dtype=torch.uint8, device=dqkv.device)
+        self.scale_inv = torch.ones((), dtype=torch.float32, device=dqkv.device)  # kept where no program runs
+        self.parts = torch.zeros((part_rows, width), dtype=torch.float32, device=dqkv.device)
+        cols_t = self.codes_t.view(3, nheads * head_dim, total)
+        self.pointers = (cols_t[0], cols_t[1], cols_t[2])
+
+    def kernel_args(self, total):
+        return (self.history.amax[self.row], self.history.step, self.scale_inv, self.parts, total,
+                self.parts.shape[1])
+
+    def result(self):
+        db = sum_partials(self.parts.view(-1, 1, self.parts.shape[1]), [torch.float32])[0]
+        return self.codes.view(E5M2), self.codes_t.view(E5M2), self.scale_inv, db
+
+
+def _launch_backward(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen, dropout_p, softmax_scale, grads,
+                     blocks, fp8_out):
+    """Launch the backward kernels writing ``grads`` = (dq, dk, dv) (bytes with ``fp8_out``)."""
+    dq, dk, dv = grads
+    total, nheads, head_dim = q.shape
+    batch = cu_seqlens.shape[0] - 1
+    consts = dict(_kernel_constants(q, dropout_p), FP8_OUT=fp8_out is not None, HW=not INTERPRET,
+                  HISTORY_LEN=HISTORY)
+    if fp8_out is not None:
+        dqt, dkt, dvt = fp8_out.pointers
+        hist, step, scale_inv, parts, stride_tt, stride_part = fp8_out.kernel_args(total)
+    else:  # unused pointers
+        dqt = dkt = dvt = hist = step = scale_inv = parts = lse
+        stride_tt = stride_part = 0
     common = (lse.stride(0), *_mask_strides(mask), softmax_scale * _LOG2E, softmax_scale,
               _dropout_args(dropout_p)[1])
     strides_in = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                   dout.stride(0), dout.stride(1), out.stride(0), out.stride(1), dq.stride(0), dq.stride(1))
     strides_kv = (dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1))
+    fp8_kv = (dqt, dkt, dvt, hist, step, scale_inv, parts, stride_tt, stride_part)
     if blocks is not None:
         min_len = 0
         for block in blocks:
             block_m, warps, stages = _short_bwd_launch(block, q.device, dropout_p > 0.0)
             _bwd_dkdv_kernel[(1, batch, nheads)](
                 q, k, v, out, dout, lse, lse, mask, dq, dk, dv, cu_seqlens, *strides_in, *strides_kv, *common, min_len,
-                BLOCK_M=block_m, BLOCK_N=block, FUSED_DQ=True, num_warps=warps, num_stages=stages, **consts)
+                *fp8_kv, BLOCK_M=block_m, BLOCK_N=block, FUSED_DQ=True, num_warps=warps, num_stages=stages,
+                **consts)
             min_len = block
-        return dqkv
+        return
     delta = torch.empty((nheads, total), dtype=torch.float32, device=q.device)
 
     block_m, block_n, warps, stages = _launch_config("dq", head_dim, max_seqlen, q.device)
     _bwd_dq_kernel[(triton.cdiv(max_seqlen, block_m), batch, nheads)](  # writes delta: runs first
         q, k, v, out, dout, lse, delta, mask, dq, cu_seqlens, *strides_in[:8], out.stride(0), out.stride(1),
-        dq.stride(0), dq.stride(1), *common,
+        dq.stride(0), dq.stride(1), *common, dqt, hist, step, parts, stride_tt, stride_part,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **consts)
 
     block_m, block_n, warps, stages = _launch_config("dkdv", head_dim, max_seqlen, q.device)
     _bwd_dkdv_kernel[(triton.cdiv(max_seqlen, block_n), batch, nheads)](
         q, k, v, out, dout, lse, delta, mask, dq, dk, dv, cu_seqlens, *strides_in, *strides_kv, *common, 0,
-        BLOCK_M=block_m, BLOCK_N=block_n, FUSED_DQ=False, num_warps=warps, num_stages=stages, **consts)
-    return dqkv
+        *fp8_kv, BLOCK_M=block_m, BLOCK_N=block_n, FUSED_DQ=False, num_warps=warps, num_stages=stages, **consts)
 
 
 # ============================================================================ torch custom ops

@@ -120,14 +120,38 @@ def _fp8_codes(v, FP8_MAX: tl.constexpr, E5M2: tl.constexpr, HW: tl.constexpr):
     """The fp8 bit patterns (0..255, in int32) of fp32 ``v``, saturated to +-FP8_MAX. On a GPU (HW) the
     conversion instruction that torch's own cast runs (round to nearest even; satfinite saturates, NaN stays
     NaN), written into a 32-bit register, so that no 8-bit tensor is ever moved between threads; the
-    interpreter clamps and casts with tl."""
+    interpreter clamps and casts with tl, except to e5m2: there its cast drops exponent bits (24000 -> 8192),
+    so e5m2 is fp16's top byte rounded to nearest even (e5m2 has fp16's exponent; off torch's value only where
+    rounding twice meets a tie)."""
     if HW:
         fmt: tl.constexpr = "e5m2x2" if E5M2 else "e4m3x2"
         return tl.inline_asm_elementwise(
             "{ .reg .b16 t; cvt.rn.satfinite." + fmt + ".f32 t, 0f00000000, $1; cvt.u32.u16 $0, t; }",
             "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
     v = tl.clamp(v, -FP8_MAX, FP8_MAX)
-    return v.to(tl.float8e5 if E5M2 else tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    if E5M2:
+        h = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return (h + 0x7F + ((h >> 8) & 1)) >> 8
+    return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+
+
+@triton.jit
+def history_scale(HIST, STEP, HISTORY_LEN: tl.constexpr, FP8_MAX: tl.constexpr):
+    """(scale, current slot) of one amax history row: ``FP8_MAX / max`` of the row's previous slots (IEEE
+    division, as torch's; 1 while the row is empty), as ``cast_fp8_ref`` computes it."""
+    slots = tl.arange(0, HISTORY_LEN)
+    cur = tl.load(STEP) % HISTORY_LEN
+    prev = tl.max(tl.where(slots == cur, 0.0, tl.load(HIST + slots)), axis=0)
+    return tl.where(prev > 0.0, tl.math.div_rn(tl.full((), FP8_MAX, tl.float32), prev), 1.0), cur
+
+
+@triton.jit
+def finite_amax_of(a):
+    """The largest finite value of a 2-D tile of ``|x|`` (inf and NaN left out, as ``finite_amax``)."""
+    m = tl.max(tl.max(a, axis=1), axis=0)
+    if (m >= float("inf")) | (m != m):  # an inf or NaN here (rare): the largest finite |x|
+        m = tl.max(tl.max(tl.where(a < float("inf"), a, 0.0), axis=1), axis=0)
+    return m
 
 
 @triton.jit
@@ -145,10 +169,7 @@ def _cast_fp8_kernel(X, Z, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm
     the transpose moves 32-bit codes and words between threads, never fp8 values (Triton 3.6 moved transposed
     fp8 tiles wrongly on an H100 for fp32 sources and after the GELU-derivative pre-op, scripts/fp8_diag.py).
     Offsets are 32-bit (fewer registers) unless WIDE: a tensor of 2**31 elements or more."""
-    slots = tl.arange(0, HISTORY_LEN)
-    cur = tl.load(STEP) % HISTORY_LEN
-    prev = tl.max(tl.where(slots == cur, 0.0, tl.load(HIST + slots)), axis=0)
-    scale = tl.where(prev > 0.0, tl.math.div_rn(tl.full((), FP8_MAX, tl.float32), prev), 1.0)  # IEEE, as torch
+    scale, cur = history_scale(HIST, STEP, HISTORY_LEN, FP8_MAX)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -162,11 +183,7 @@ def _cast_fp8_kernel(X, Z, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm
     wi = tl.program_id(0) * (BLOCK_M // 4) + tl.arange(0, BLOCK_M // 4)
     words_m = (M + 3) // 4
     tl.store(YT + ci[:, None] * words_m + wi[None, :], words, mask=(cols[:, None] < N) & (wi[None, :] < words_m))
-    a = tl.abs(x)
-    tile_amax = tl.max(tl.max(a, axis=1), axis=0)
-    if (tile_amax >= float("inf")) | (tile_amax != tile_amax):  # an inf or NaN here (rare): the largest finite |x|
-        tile_amax = tl.max(tl.max(tl.where(a < float("inf"), a, 0.0), axis=1), axis=0)
-    tl.atomic_max(HIST + cur, tile_amax)
+    tl.atomic_max(HIST + cur, finite_amax_of(tl.abs(x)))
     if WITH_COLSUM:
         tl.store(COLSUM + tl.program_id(0) * N + ci, tl.sum(x, axis=0), mask=cols < N)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
