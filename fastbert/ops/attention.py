@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from fastbert.ops._common import (
     INTERPRET, autocast_dtype, check_dropout_p, check_triton_device, drop_threshold, dropout_bits, dropout_seed,
     keep_from_bits, register_op, sum_partials, tl, triton)
-from fastbert.ops.fp8 import E5M2, HISTORY, _fp8_codes, finite_amax_of, history_scale
+from fastbert.ops.fp8 import E5M2, HISTORY, _fp8_codes, finite_amax_of, history_scale, transpose_codes
 from fastbert.padding import unpad_by_seqlens, pad, unpad
 
 
@@ -147,15 +147,14 @@ def _stored_keep_t(mask_base, rows, col0, COLS: tl.constexpr, stride_mask_t, row
 
 
 @triton.jit
-def _store_grad(P, PT, x, start64, head, stride_t, stride_h, stride_tt, rows, offs_d, row_mask, mask_d, scale,
+def _store_grad(P, x, start64, head, stride_t, stride_h, rows, offs_d, row_mask, mask_d, scale,
                 FP8_OUT: tl.constexpr, HW: tl.constexpr):
     """Store the fp32 gradient tile ``x`` (rows ``rows`` of a sequence starting at token ``start64``, one head)
-    of a ``(T, .., nh, hd)`` tensor P in P's dtype; with FP8_OUT as e5m2 codes of ``x * scale`` (P: bytes) and
-    their transpose into PT, whose row ``head * hd + d`` holds the tokens (ld ``stride_tt``): the operands of the
-    QKV projection's backward GEMMs (``fp8_attention``). The codes' transpose moves 32-bit values between
-    threads, as the FP8 cast's does (``fp8._cast_fp8_kernel``). Returns the tile's finite amax and column sums
-    with FP8_OUT (its amax-history entry and its share of the bias gradient; computed first, so that x is dead
-    once the codes exist), else zeros."""
+    of a ``(T, .., nh, hd)`` tensor P in P's dtype; with FP8_OUT as e5m2 codes of ``x * scale`` (P: bytes), the
+    QKV projection's input-gradient operand (``fp8_attention``; its transpose is a pass of its own,
+    ``fp8.transpose_codes``: stored from here, byte by byte at a sequence's unaligned start, it cost more than
+    the whole cast it replaces). Returns the tile's finite amax and column sums with FP8_OUT (its amax-history
+    entry and its share of the bias gradient), else zeros."""
     ptrs = P + start64 * stride_t + head * stride_h + rows[:, None] * stride_t + offs_d[None, :]
     mask = row_mask[:, None] & mask_d[None, :]
     if FP8_OUT:
@@ -164,11 +163,6 @@ def _store_grad(P, PT, x, start64, head, stride_t, stride_h, stride_tt, rows, of
         sums = tl.sum(x, 0)
         codes = _fp8_codes(x * scale, 57344.0, True, HW)  # e5m2, saturated to its largest finite value
         tl.store(ptrs, codes.to(tl.uint8), mask=mask)
-        # row head * hd + d (stride_h == hd: the column within q, k or v); 32-bit offsets from the tile's
-        # corner (hd * T < 2^31): 64-bit ones per element spilled (sm_90 compile report: 192 bytes -> 0)
-        corner = PT + (head * stride_h).to(tl.int64) * stride_tt + start64
-        tl.store(corner + offs_d[:, None] * stride_tt + rows[None, :], tl.trans(codes.to(tl.uint8)),
-                 mask=mask_d[:, None] & row_mask[None, :])
     else:
         tl.store(ptrs, x.to(P.dtype.element_ty), mask=mask)
         amax = 0.0
@@ -259,7 +253,7 @@ def _bwd_dkdv_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_ot, stride_oh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     stride_lse_h, stride_mask_h, stride_mask_t, qk_scale, softmax_scale, keep_scale, min_len,
-    DQT, DKT, DVT, HIST, STEP, SCALE_INV, PARTS, stride_tt, stride_part,
+    HIST, STEP, SCALE_INV, PARTS, stride_part,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED_DQ: tl.constexpr,
     FP8_OUT: tl.constexpr, HW: tl.constexpr, HISTORY_LEN: tl.constexpr,
@@ -274,9 +268,9 @@ def _bwd_dkdv_kernel(
     raised illegal memory accesses on the H100 with Triton 3.6) and computes delta = rowsum(O * dO) from O;
     one launch, no atomics, K and V read once. Otherwise DELTA comes from the dQ kernel, which ran first.
 
-    FP8_OUT: the gradients go out as e5m2 codes scaled from the amax history row HIST, with their transposes
-    (DQT, DKT, DVT), the amax and the bias gradient's partial column sums (``_store_grad``, PARTS row
-    ``pid_n * batch + seq``) instead of in Q's dtype.
+    FP8_OUT: the gradients go out as e5m2 codes scaled from the amax history row HIST, with the amax and the
+    bias gradient's partial column sums (``_store_grad``, PARTS row ``pid_n * batch + seq``), instead of in Q's
+    dtype.
     """
     pid_n = tl.program_id(0)
     seq = tl.program_id(1)
@@ -338,15 +332,15 @@ def _bwd_dkdv_kernel(
         dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
         if FUSED_DQ:
             dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION) * softmax_scale  # (BLOCK_M, BLOCK_D)
-            tile_amax, sums = _store_grad(DQ, DQT, dq, start64, head, stride_dqt, stride_dqh, stride_tt, rows, offs_d,
+            tile_amax, sums = _store_grad(DQ, dq, start64, head, stride_dqt, stride_dqh, rows, offs_d,
                                           mask_m, mask_d, scale, FP8_OUT, HW)
             amax = tl.maximum(amax, tile_amax)
             dq_sums += sums
 
     dk = dk * softmax_scale
-    dk_amax, dk_sums = _store_grad(DK, DKT, dk, start64, head, stride_dkt, stride_dkh, stride_tt, offs_n, offs_d,
+    dk_amax, dk_sums = _store_grad(DK, dk, start64, head, stride_dkt, stride_dkh, offs_n, offs_d,
                                    mask_n, mask_d, scale, FP8_OUT, HW)
-    dv_amax, dv_sums = _store_grad(DV, DVT, dv, start64, head, stride_dvt, stride_dvh, stride_tt, offs_n, offs_d,
+    dv_amax, dv_sums = _store_grad(DV, dv, start64, head, stride_dvt, stride_dvh, offs_n, offs_d,
                                    mask_n, mask_d, scale, FP8_OUT, HW)
     if FP8_OUT:
         part_row = pid_n * tl.num_programs(1) + seq
@@ -365,7 +359,7 @@ def _bwd_dq_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_ot, stride_oh, stride_dqt, stride_dqh,
     stride_lse_h, stride_mask_h, stride_mask_t, qk_scale, softmax_scale, keep_scale,
-    DQT, HIST, STEP, PARTS, stride_tt, stride_part,
+    HIST, STEP, PARTS, stride_part,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8_OUT: tl.constexpr, HW: tl.constexpr, HISTORY_LEN: tl.constexpr,
@@ -425,7 +419,7 @@ def _bwd_dq_kernel(
         scale, cur = history_scale(HIST, STEP, HISTORY_LEN, 57344.0)
     else:
         scale, cur = 1.0, 0
-    amax, sums = _store_grad(DQ, DQT, dq, start64, head, stride_dqt, stride_dqh, stride_tt, offs_m, offs_d, mask_m,
+    amax, sums = _store_grad(DQ, dq, start64, head, stride_dqt, stride_dqh, offs_m, offs_d, mask_m,
                              mask_d, scale, FP8_OUT, HW)
     if FP8_OUT:
         _fp8_finish(HIST, cur, amax, PARTS, pid_m * tl.num_programs(1) + seq, stride_part, head * stride_dqh, sums,
@@ -579,27 +573,22 @@ def _backward_packed(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen: int,
 
 
 class _Fp8Outputs:
-    """The FP8 backward's outputs besides the codes (``_backward_packed``'s ``fp8``): the transposed codes
-    ``(3 nh hd, T)``, scale_inv, the column sums' partial rows, and the kernels' FP8 arguments."""
+    """The FP8 backward's outputs besides the codes (``_backward_packed``'s ``fp8``): scale_inv and the column
+    sums' partial rows (the kernels' FP8 arguments), then the transposed codes ``(3 nh hd, T)`` and the sums."""
 
     def __init__(self, fp8, dqkv, part_rows: int):
         history, row = fp8
         total, _, nheads, head_dim = dqkv.shape
         width = 3 * nheads * head_dim
-        self.codes, self.history, self.row = dqkv.view(total, width), history, row
-        self.codes_t = torch.empty((width, total), dtype=torch.uint8, device=dqkv.device)
+        self.codes = dqkv.view(total, width)
         self.scale_inv = torch.ones((), dtype=torch.float32, device=dqkv.device)  # kept where no program runs
         self.parts = torch.zeros((part_rows, width), dtype=torch.float32, device=dqkv.device)
-        cols_t = self.codes_t.view(3, nheads * head_dim, total)
-        self.pointers = (cols_t[0], cols_t[1], cols_t[2])
-
-    def kernel_args(self, total):
-        return (self.history.amax[self.row], self.history.step, self.scale_inv, self.parts, total,
-                self.parts.shape[1])
+        self.kernel_args = (history.amax[row], history.step, self.scale_inv, self.parts, width)
 
     def result(self):
         db = sum_partials(self.parts.view(-1, 1, self.parts.shape[1]), [torch.float32])[0]
-        return self.codes.view(E5M2), self.codes_t.view(E5M2), self.scale_inv, db
+        codes = self.codes.view(E5M2)
+        return codes, transpose_codes(codes), self.scale_inv, db
 
 
 def _launch_backward(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen, dropout_p, softmax_scale, grads,
@@ -610,18 +599,13 @@ def _launch_backward(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen, drop
     batch = cu_seqlens.shape[0] - 1
     consts = dict(_kernel_constants(q, dropout_p), FP8_OUT=fp8_out is not None, HW=not INTERPRET,
                   HISTORY_LEN=HISTORY)
-    if fp8_out is not None:
-        dqt, dkt, dvt = fp8_out.pointers
-        hist, step, scale_inv, parts, stride_tt, stride_part = fp8_out.kernel_args(total)
-    else:  # unused pointers
-        dqt = dkt = dvt = hist = step = scale_inv = parts = lse
-        stride_tt = stride_part = 0
+    # hist, step, scale_inv, parts, stride_part (unused pointers and 0 without FP8)
+    fp8_kv = fp8_out.kernel_args if fp8_out is not None else (lse, lse, lse, lse, 0)
     common = (lse.stride(0), *_mask_strides(mask), softmax_scale * _LOG2E, softmax_scale,
               _dropout_args(dropout_p)[1])
     strides_in = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                   dout.stride(0), dout.stride(1), out.stride(0), out.stride(1), dq.stride(0), dq.stride(1))
     strides_kv = (dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1))
-    fp8_kv = (dqt, dkt, dvt, hist, step, scale_inv, parts, stride_tt, stride_part)
     if blocks is not None:
         min_len = 0
         for block in blocks:
@@ -637,7 +621,7 @@ def _launch_backward(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen, drop
     block_m, block_n, warps, stages = _launch_config("dq", head_dim, max_seqlen, q.device)
     _bwd_dq_kernel[(triton.cdiv(max_seqlen, block_m), batch, nheads)](  # writes delta: runs first
         q, k, v, out, dout, lse, delta, mask, dq, cu_seqlens, *strides_in[:8], out.stride(0), out.stride(1),
-        dq.stride(0), dq.stride(1), *common, dqt, hist, step, parts, stride_tt, stride_part,
+        dq.stride(0), dq.stride(1), *common, *fp8_kv[:2], *fp8_kv[3:],
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **consts)
 
     block_m, block_n, warps, stages = _launch_config("dkdv", head_dim, max_seqlen, q.device)

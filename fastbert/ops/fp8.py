@@ -155,6 +155,29 @@ def finite_amax_of(a):
 
 
 @triton.jit
+def _store_words_t(YT, codes, cols, ci, M, N, BLOCK_M: tl.constexpr):
+    """Store the transpose of the int32 codes tile ``codes`` (rows ``program_id(0) * BLOCK_M + [0, BLOCK_M)``,
+    columns ``cols``; ``ci``: them as offsets) into YT, the ``(N, ceil(M / 4))`` int32 words holding four rows
+    of the source each: the transpose moves 32-bit values between threads, and a column's bytes go out as whole
+    words."""
+    shifts = tl.arange(0, 4) * 8
+    words = tl.sum(tl.reshape(tl.trans(codes), (codes.shape[1], BLOCK_M // 4, 4)) << shifts[None, None, :], axis=2)
+    wi = tl.program_id(0) * (BLOCK_M // 4) + tl.arange(0, BLOCK_M // 4)
+    words_m = (M + 3) // 4
+    tl.store(YT + ci[:, None] * words_m + wi[None, :], words, mask=(cols[:, None] < N) & (wi[None, :] < words_m))
+
+
+@triton.jit
+def _transpose_codes_kernel(X, YT, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """YT = the transpose of the fp8 codes X ``(M, N)`` (bytes), as ``_store_words_t``'s words."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    codes = tl.load(X + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0).to(tl.int32)
+    _store_words_t(YT, codes, cols, cols.to(tl.int64), M, N, BLOCK_M)
+
+
+@triton.jit
 def _cast_fp8_kernel(X, Z, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm, stride_zm,
                      FP8_MAX: tl.constexpr, E5M2: tl.constexpr, HW: tl.constexpr, HISTORY_LEN: tl.constexpr,
                      PRE: tl.constexpr, APPROX_TANH: tl.constexpr, WITH_COLSUM: tl.constexpr, WIDE: tl.constexpr,
@@ -178,11 +201,7 @@ def _cast_fp8_kernel(X, Z, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm
     x = _pre_op(X, Z, ri[:, None], ci[None, :], mask, stride_xm, stride_zm, PRE, APPROX_TANH, 2 if HW else 1)
     codes = _fp8_codes(x * scale, FP8_MAX, E5M2, HW)  # masked-off elements: 0
     tl.store(Y + ri[:, None] * N + ci[None, :], codes.to(tl.uint8), mask=mask)
-    shifts = tl.arange(0, 4) * 8
-    words = tl.sum(tl.reshape(tl.trans(codes), (BLOCK_N, BLOCK_M // 4, 4)) << shifts[None, None, :], axis=2)
-    wi = tl.program_id(0) * (BLOCK_M // 4) + tl.arange(0, BLOCK_M // 4)
-    words_m = (M + 3) // 4
-    tl.store(YT + ci[:, None] * words_m + wi[None, :], words, mask=(cols[:, None] < N) & (wi[None, :] < words_m))
+    _store_words_t(YT, codes, cols, ci, M, N, BLOCK_M)
     tl.atomic_max(HIST + cur, finite_amax_of(tl.abs(x)))
     if WITH_COLSUM:
         tl.store(COLSUM + tl.program_id(0) * N + ci, tl.sum(x, axis=0), mask=cols < N)
@@ -224,6 +243,20 @@ def cast_fp8_triton(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torc
     if m4 != m:  # rows that are not whole words (never in the model: its GEMM dimensions are multiples of 16)
         x8t = x8t[:, :m].contiguous()
     return x8, x8t, scale_inv, sum_partials(parts.view(grid[0], 1, n), [torch.float32])[0] if colsum else None
+
+
+def transpose_codes(x8: torch.Tensor, tile: tuple = (64, 64, 4)) -> torch.Tensor:
+    """The transpose of the 2-D fp8 tensor ``x8``, contiguous (``x8.t().contiguous()``), in one pass that moves
+    the codes as 32-bit words; ``tile``: (BLOCK_M, BLOCK_N, num_warps) on a GPU."""
+    m, n = x8.shape
+    m4 = -(-m // 4) * 4
+    out = torch.empty((n, m4), dtype=x8.dtype, device=x8.device)
+    block_m, block_n, warps = (32, 32, 1) if INTERPRET else tile
+    if m and n:
+        _transpose_codes_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+            x8.contiguous().view(torch.uint8), out.view(torch.int32), m, n, BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=warps)
+    return out if m4 == m else out[:, :m].contiguous()
 
 
 def cast_fp8(x, history: AmaxHistory, row: int, dtype: torch.dtype, colsum: bool = False,

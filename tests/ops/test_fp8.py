@@ -316,3 +316,15 @@ def test_model_fp8_training_forward():
         opt.step()
     assert loss.item() < first - 0.5
     assert model.config.to_dict().get("fp8") is None  # runtime only: never written to config.json
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", [(37, 70), (64, 96), (4, 1)])
+def test_transpose_codes(shape):
+    """The transpose of fp8 codes in one pass (as 32-bit words of four source rows): every byte in place, rows of
+    the source that are not whole words included."""
+    g = torch.Generator().manual_seed(shape[0])
+    x8 = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8).to(DEVICE).view(E5M2)
+    t = fp8_module.transpose_codes(x8)
+    assert t.dtype == E5M2 and t.shape == shape[::-1] and t.is_contiguous()
+    assert torch.equal(t.view(torch.uint8), x8.view(torch.uint8).t())
