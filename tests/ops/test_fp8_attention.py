@@ -171,3 +171,23 @@ def test_model_takes_the_fused_op_with_triton_kernels(monkeypatch):
     assert grads.keys() == grads_ref.keys()
     for name, g_ref in grads_ref.items():
         assert rel(grads[name], g_ref) < 0.03, name  # seen: 1.2% at most (CPU)
+
+
+def test_backward_amax_leaves_out_non_finite_values():
+    """An inf in the output gradient makes infs and NaNs in dq, dk and dv: the codes saturate or carry them as
+    the cast does, and the recorded amax is the largest finite |value| (what ``cast_fp8_ref`` records), so the
+    next steps' scales stay usable."""
+    nh, hd, lens = 2, 16, [24, 40]
+    cu, qkv, dout = packed(lens, nh, hd, torch.float32, seed=9)
+    dout[3, 1, 5] = float("inf")
+    q, k, v = qkv.unbind(1)
+    out, lse, mask = A.varlen_attention_forward(q, k, v, cu, 40, 0.0, hd ** -0.5, None)
+    dqkv = A._backward_packed(dout, q, k, v, out, lse, mask, cu, 40, 0.0, hd ** -0.5).view(qkv.shape[0], -1)
+    assert not torch.isfinite(dqkv).all() and torch.isfinite(dqkv).any()
+    hk, hr = AmaxHistory(1, DEVICE), AmaxHistory(1, DEVICE)
+    for h in (hk, hr):
+        h.advance()
+        h.amax[0, 0] = 1e-2
+    A._backward_packed(dout, q, k, v, out, lse, mask, cu, 40, 0.0, hd ** -0.5, fp8=(hk, 0))
+    cast_fp8_ref(dqkv, hr, 0, E5M2)
+    assert torch.isfinite(hk.amax).all() and hk.amax[0, 1].item() == pytest.approx(hr.amax[0, 1].item(), rel=1e-6)
