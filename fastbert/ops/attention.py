@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from fastbert.ops._common import (
     INTERPRET, autocast_dtype, check_dropout_p, check_triton_device, drop_threshold, dropout_bits, dropout_seed,
     keep_from_bits, register_op, sum_partials, tl, triton)
-from fastbert.ops.fp8 import E5M2, HISTORY, _fp8_codes, history_scale, transpose_codes
+from fastbert.ops.fp8 import E5M2, HISTORY, _fp8_codes, finite_amax_of, history_scale, transpose_codes
 from fastbert.padding import unpad_by_seqlens, pad, unpad
 
 
@@ -147,45 +147,33 @@ def _stored_keep_t(mask_base, rows, col0, COLS: tl.constexpr, stride_mask_t, row
 
 
 @triton.jit
-def _store_grad(P, x, start64, head, stride_t, stride_h, rows, offs_d, mask, scale, FP8_OUT: tl.constexpr,
-                HW: tl.constexpr):
+def _store_grad(P, x, start64, head, stride_t, stride_h, rows, offs_d, row_mask, mask_d, scale,
+                FP8_OUT: tl.constexpr, HW: tl.constexpr):
     """Store the fp32 gradient tile ``x`` (rows ``rows`` of a sequence starting at token ``start64``, one head)
     of a ``(T, .., nh, hd)`` tensor P in P's dtype; with FP8_OUT as e5m2 codes of ``x * scale`` (P: bytes), the
     QKV projection's input-gradient operand (``fp8_attention``; its transpose is a pass of its own,
     ``fp8.transpose_codes``: stored from here, byte by byte at a sequence's unaligned start, it cost more than
-    the whole cast it replaces)."""
+    the whole cast it replaces). Returns the tile's finite amax and column sums with FP8_OUT (its amax-history
+    entry and its share of the bias gradient), else zeros."""
     ptrs = P + start64 * stride_t + head * stride_h + rows[:, None] * stride_t + offs_d[None, :]
+    mask = row_mask[:, None] & mask_d[None, :]
     if FP8_OUT:
-        tl.store(ptrs, _fp8_codes(x * scale, 57344.0, True, HW).to(tl.uint8), mask=mask)  # e5m2, saturated
+        x = tl.where(mask, x, 0.0)
+        amax = finite_amax_of(tl.abs(x))
+        sums = tl.sum(x, 0)
+        codes = _fp8_codes(x * scale, 57344.0, True, HW)  # e5m2, saturated to its largest finite value
+        tl.store(ptrs, codes.to(tl.uint8), mask=mask)
     else:
         tl.store(ptrs, x.to(P.dtype.element_ty), mask=mask)
-
-
-# The FP8 backward's statistics of its gradient tiles: column sums (the QKV bias gradient's partial rows) and
-# column maxima of the finite |values| (the amax), each set in one reduction over the tile's rows; a tile's rows
-# span the program's warps, so every reduction is a shared-memory exchange and a barrier. H100, B=128 H=16 S=128
-# p=0.1: the backward took 234 us without statistics, 278 with an amax and a column sum reduced apart per tile.
-@triton.jit
-def _finite_abs(x):
-    a = tl.abs(x)
-    return tl.where(a < float("inf"), a, 0.0)  # inf and NaN count 0, as in ``fp8.finite_amax``
+        amax = 0.0
+        sums = offs_d * 0.0
+    return amax, sums
 
 
 @triton.jit
-def _sum_max(s0, m0, s1, m1):
-    return s0 + s1, tl.maximum(m0, m1)
-
-
-@triton.jit
-def _sum_sum_max(a0, b0, m0, a1, b1, m1):
-    return a0 + a1, b0 + b1, tl.maximum(m0, m1)
-
-
-@triton.jit
-def _fp8_finish(HIST, cur, colmax, PARTS, part_row, stride_part, col0, sums, offs_d, mask_d):
-    """Fold a program's column maxima into the history's current slot (one atomic); store its column sums as one
-    partial row at column ``col0``."""
-    tl.atomic_max(HIST + cur, tl.max(colmax, 0))
+def _fp8_finish(HIST, cur, amax, PARTS, part_row, stride_part, col0, sums, offs_d, mask_d):
+    """Fold a program's amax into the history's current slot; store its column sums as one partial row."""
+    tl.atomic_max(HIST + cur, amax)
     tl.store(PARTS + part_row.to(tl.int64) * stride_part + col0 + offs_d, sums, mask=mask_d)
 
 
@@ -314,7 +302,7 @@ def _bwd_dkdv_kernel(
     delta_base = DELTA + head * stride_lse_h + start
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    colmax = tl.zeros([BLOCK_D], dtype=tl.float32)
+    amax = tl.full((), 0.0, tl.float32)
     dq_sums = tl.zeros([BLOCK_D], dtype=tl.float32)
     mask_base = MASK + head.to(tl.int64) * stride_mask_h + start64 * stride_mask_t
     for start_m in range(0, seqlen, BLOCK_M):
@@ -344,27 +332,25 @@ def _bwd_dkdv_kernel(
         dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
         if FUSED_DQ:
             dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION) * softmax_scale  # (BLOCK_M, BLOCK_D)
-            _store_grad(DQ, dq, start64, head, stride_dqt, stride_dqh, rows, offs_d, mask_md, scale, FP8_OUT, HW)
-            if FP8_OUT:
-                dq = tl.where(mask_md, dq, 0.0)
-                sums, maxima = tl.reduce((dq, _finite_abs(dq)), 0, _sum_max)
-                dq_sums += sums
-                colmax = tl.maximum(colmax, maxima)
+            tile_amax, sums = _store_grad(DQ, dq, start64, head, stride_dqt, stride_dqh, rows, offs_d,
+                                          mask_m, mask_d, scale, FP8_OUT, HW)
+            amax = tl.maximum(amax, tile_amax)
+            dq_sums += sums
 
     dk = dk * softmax_scale
-    _store_grad(DK, dk, start64, head, stride_dkt, stride_dkh, offs_n, offs_d, mask_nd, scale, FP8_OUT, HW)
-    _store_grad(DV, dv, start64, head, stride_dvt, stride_dvh, offs_n, offs_d, mask_nd, scale, FP8_OUT, HW)
+    dk_amax, dk_sums = _store_grad(DK, dk, start64, head, stride_dkt, stride_dkh, offs_n, offs_d,
+                                   mask_n, mask_d, scale, FP8_OUT, HW)
+    dv_amax, dv_sums = _store_grad(DV, dv, start64, head, stride_dvt, stride_dvh, offs_n, offs_d,
+                                   mask_n, mask_d, scale, FP8_OUT, HW)
     if FP8_OUT:
-        dk, dv = tl.where(mask_nd, dk, 0.0), tl.where(mask_nd, dv, 0.0)
-        dk_sums, dv_sums, maxima = tl.reduce((dk, dv, tl.maximum(_finite_abs(dk), _finite_abs(dv))), 0, _sum_sum_max)
         part_row = pid_n * tl.num_programs(1) + seq
         cols = stride_part // 3  # nh * hd: q's, k's and v's columns
         if FUSED_DQ:
             tl.store(PARTS + part_row.to(tl.int64) * stride_part + head * stride_dkh + offs_d, dq_sums, mask=mask_d)
         tl.store(PARTS + part_row.to(tl.int64) * stride_part + cols + head * stride_dkh + offs_d, dk_sums,
                  mask=mask_d)
-        _fp8_finish(HIST, cur, tl.maximum(colmax, maxima), PARTS, part_row, stride_part, 2 * cols + head * stride_dvh,
-                    dv_sums, offs_d, mask_d)
+        _fp8_finish(HIST, cur, tl.maximum(amax, tl.maximum(dk_amax, dv_amax)), PARTS, part_row, stride_part,
+                    2 * cols + head * stride_dvh, dv_sums, offs_d, mask_d)
 
 
 @triton.jit
@@ -433,11 +419,10 @@ def _bwd_dq_kernel(
         scale, cur = history_scale(HIST, STEP, HISTORY_LEN, 57344.0)
     else:
         scale, cur = 1.0, 0
-    _store_grad(DQ, dq, start64, head, stride_dqt, stride_dqh, offs_m, offs_d, mask_md, scale, FP8_OUT, HW)
+    amax, sums = _store_grad(DQ, dq, start64, head, stride_dqt, stride_dqh, offs_m, offs_d, mask_m,
+                             mask_d, scale, FP8_OUT, HW)
     if FP8_OUT:
-        dq = tl.where(mask_md, dq, 0.0)
-        sums, maxima = tl.reduce((dq, _finite_abs(dq)), 0, _sum_max)
-        _fp8_finish(HIST, cur, maxima, PARTS, pid_m * tl.num_programs(1) + seq, stride_part, head * stride_dqh, sums,
+        _fp8_finish(HIST, cur, amax, PARTS, pid_m * tl.num_programs(1) + seq, stride_part, head * stride_dqh, sums,
                     offs_d, mask_d)
 
 
@@ -497,6 +482,15 @@ def _short_bwd_blocks(head_dim: int, max_seqlen: int):
         return None
     # Two launches once sequences reach 128: the short half of a batch skips the 128-wide tiles.
     return [64, 128] if block == 128 else [block]
+
+
+def fp8_output_pays(head_dim: int, max_seqlen: int) -> bool:
+    """Whether the backward writing the QKV projection's FP8 operands itself (``_backward_packed(..., fp8=...)``)
+    beat the 16-bit backward + the cast pass on an H100: on the two-kernel path, longer sequences. B=32 H=16
+    S=512 p=0.1: 602 vs 683 us full rows, 351 vs 387 at 60% fill; on the fused short kernel (one program a
+    (sequence, head), its epilogue exposed) B=128 S=128 p=0.1: 278 vs 292 full rows, but 192 vs 185 at 60% fill
+    (benchmarks/RESULTS.md, twelfth session)."""
+    return _short_bwd_blocks(head_dim, max_seqlen) is None
 
 
 def _short_bwd_launch(block: int, device: torch.device, dropout: bool):

@@ -5,13 +5,16 @@ gradient operands itself.
 ``varlen_attention_qkvpacked(fp8_linear(x, weight, bias, history, rows).view(T, 3, nh, hd), ...)`` with x
 handed back for the residual connection (as ``fp8_linear(..., residual=True)``). Apart, the attention
 backward writes ``dqkv`` in 16 bits and the projection's backward casts it to e5m2 in a pass of its own
-(scale, codes, transposed codes, amax, the bias gradient's column sums): 105 us a layer at BERT-large's
-16,384 x 3,072 on an H100 (``benchmarks/RESULTS.md``, ninth session). Together, the backward kernels store
-those codes from their fp32 accumulators (``attention._backward_packed(..., fp8=...)``) and the pass is gone.
-The values cast are the same gradients, rounded once to fp8 instead of first to 16 bits.
+(scale, codes, transposed codes, amax, the bias gradient's column sums): ~100 us a layer at BERT-large's
+16,384 x 3,072 on an H100. Together, the backward kernels store the codes, the amax and the column sums from
+their fp32 accumulators (``attention._backward_packed(..., fp8=...)``), and a pass that only transposes the
+codes (``fp8.transpose_codes``, half the bytes of the cast) replaces the cast. The values cast are the same
+gradients, rounded once to fp8 instead of first to 16 bits.
 
-The first backward of a history row (no amax recorded yet, ``AmaxHistory.primed``) takes the two-pass way,
-which measures the gradient before casting it (just-in-time scaling, as ``fp8.cast_fp8``).
+The backward takes the two-pass way where that measured faster (``attention.fp8_output_pays``: sequences up to
+128 tokens, whose fused short kernel exposes the statistics' reductions) and at the first backward of a history
+row (no amax recorded yet, ``AmaxHistory.primed``), which measures the gradient before casting it (just-in-time
+scaling, as ``fp8.cast_fp8``).
 """
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ class _Fp8QkvAttention(torch.autograd.Function):
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         q, k, v = qkv.view(qkv.shape[0], 3, ctx.num_heads, -1).unbind(1)
         row = ctx.rows + 2  # the output gradient's history row
-        if row in ctx.history.primed:
+        if row in ctx.history.primed and attention.fp8_output_pays(q.shape[-1], ctx.args[0]):
             g8, g8t, sg, db = attention._backward_packed(dout, q, k, v, out, lse, mask, cu_seqlens, *ctx.args,
                                                          fp8=(ctx.history, row))
         else:  # the first backward: 16-bit gradients, measured, then cast (``cast_fp8`` primes the row)

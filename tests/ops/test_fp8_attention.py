@@ -70,6 +70,14 @@ def assert_few_codes_differ(k8, r8, atol):
     assert (k != r).float().mean() <= 1e-2
 
 
+def spy_fused_backwards(monkeypatch):
+    """The list that records each FP8-output backward (``_backward_packed(..., fp8=...)``) from now on."""
+    calls, real = [], A._backward_packed
+    monkeypatch.setattr(A, "_backward_packed", lambda *a, **k: (calls.append(k["fp8"]) if "fp8" in k else None)
+                        or real(*a, **k))
+    return calls
+
+
 def run_block(fused, x, w, b, cu, max_len, nh, hist, p=0.0):
     """The attention context and the gradients of x, w, b through the fused op (fused) or fp8_linear +
     varlen_attention_qkvpacked; the context's gradient is fixed, and x also feeds a residual."""
@@ -87,24 +95,25 @@ def run_block(fused, x, w, b, cu, max_len, nh, hist, p=0.0):
 
 
 @pytest.mark.parametrize("p", [0.0, 0.1])
-def test_fp8_qkv_attention_matches_its_composition(p):
+def test_fp8_qkv_attention_matches_its_composition(p, monkeypatch):
     """The same forward to the bit (the same casts, GEMM and attention kernel); the gradients within a few
     percent of the composition's after the first backward (which takes the composition's way: it primes the
     gradient's history row), and both within the FP8 bounds of fp32 F.linear + the reference attention."""
-    nh, hd, lens = 2, 16, [48, 16, 64]
+    nh, hd, lens = 2, 16, [150, 33, 9]  # over 128 tokens: the fused backward's way (attention.fp8_output_pays)
     cu, _, _ = packed(lens, nh, hd, torch.float32, seed=1)
     g = torch.Generator().manual_seed(4)
     tokens, hidden = int(cu[-1]), nh * hd
     x = torch.randn(tokens, hidden, generator=g).to(DEVICE)
     w = (torch.randn(3 * hidden, hidden, generator=g) * hidden ** -0.5).to(DEVICE)
     b = (torch.randn(3 * hidden, generator=g) * 0.1).to(DEVICE)
-    results = {}
+    results, fused_backwards = {}, spy_fused_backwards(monkeypatch)
     for fused in (True, False):
         hist = AmaxHistory(3, DEVICE)
         for _ in range(2):  # step 1 primes every row; step 2 runs the fused backward
             hist.advance()
             results[fused] = run_block(fused, x, w, b, cu, max(lens), nh, hist, p)
         assert 2 in hist.primed
+    assert len(fused_backwards) == 1  # the fused op's second backward
     (ctx, grads), (ctx_ref, grads_ref) = results[True], results[False]
     assert torch.equal(ctx, ctx_ref)
     for name, a, r in zip(("dx", "dw", "db"), grads, grads_ref):
@@ -141,17 +150,17 @@ def test_model_takes_the_fused_op_with_triton_kernels(monkeypatch):
     layer, each training forward) and gets the loss and gradients of the composition (``get_ops`` without the
     fused op), within the fp8 rounding the two ways differ by (one rounding of the QKV gradient, not two)."""
     from fastbert import BertConfig, BertForPreTraining
-    cfg = BertConfig.preset("tiny", vocab_size=512, fp8=True, kernels="triton")
+    cfg = BertConfig.preset("tiny", vocab_size=512, fp8=True, kernels="triton", max_position_embeddings=160)
     applied = []
     real_apply = fp8_attention_module._Fp8QkvAttention.apply
     monkeypatch.setattr(fp8_attention_module._Fp8QkvAttention, "apply",
                         lambda *a: applied.append(a[4]) or real_apply(*a))
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(5, 512, (4, 32), generator=g).to(DEVICE)
-    mask = (torch.arange(32)[None] < torch.tensor([[32], [16], [32], [16]])).long().to(DEVICE)  # 96 tokens
-    labels = torch.where(torch.rand(4, 32, generator=g).to(DEVICE) < 0.3, ids, -100).masked_fill(mask == 0, -100)
+    ids = torch.randint(5, 512, (2, 144), generator=g).to(DEVICE)
+    mask = (torch.arange(144)[None] < torch.tensor([[144], [32]])).long().to(DEVICE)  # 176 tokens, one over 128
+    labels = torch.where(torch.rand(2, 144, generator=g).to(DEVICE) < 0.3, ids, -100).masked_fill(mask == 0, -100)
     batch = dict(input_ids=ids, attention_mask=mask, labels=labels,
-                 next_sentence_label=torch.tensor([0, 1, 0, 1], device=DEVICE))
+                 next_sentence_label=torch.tensor([0, 1], device=DEVICE))
 
     def two_steps():
         torch.manual_seed(0)
@@ -162,11 +171,13 @@ def test_model_takes_the_fused_op_with_triton_kernels(monkeypatch):
             loss.backward()
         return loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
+    fused_backwards = spy_fused_backwards(monkeypatch)
     loss, grads = two_steps()
     assert applied == [0, 12] * 2  # layers 0 and 1 (their first history rows), two forwards
+    assert [row for _, row in fused_backwards] == [14, 2]  # the second backward, last layer first
     monkeypatch.setattr(fp8_attention_module, "fp8_qkv_attention", None)  # what get_ops hands the model
     loss_ref, grads_ref = two_steps()
-    assert len(applied) == 4  # the composition did not take it
+    assert len(applied) == 4 and len(fused_backwards) == 2  # the composition did not take it
     assert abs(loss.item() - loss_ref.item()) < 1e-3 * loss_ref.item()
     assert grads.keys() == grads_ref.keys()
     for name, g_ref in grads_ref.items():
@@ -191,3 +202,11 @@ def test_backward_amax_leaves_out_non_finite_values():
     A._backward_packed(dout, q, k, v, out, lse, mask, cu, 40, 0.0, hd ** -0.5, fp8=(hk, 0))
     cast_fp8_ref(dqkv, hr, 0, E5M2)
     assert torch.isfinite(hk.amax).all() and hk.amax[0, 1].item() == pytest.approx(hr.amax[0, 1].item(), rel=1e-6)
+
+
+def test_fp8_output_pays_on_the_two_kernel_path():
+    """The measured rule: the backward's own FP8 output on the dQ + dK/dV path (sequences over 128 tokens, over 64
+    at head_dim 128), the 16-bit backward + cast on the fused short kernel."""
+    assert not A.fp8_output_pays(64, 128) and not A.fp8_output_pays(64, 17)
+    assert A.fp8_output_pays(64, 129) and A.fp8_output_pays(64, 512)
+    assert A.fp8_output_pays(128, 65) and not A.fp8_output_pays(128, 64)
