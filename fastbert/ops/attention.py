@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from fastbert.ops._common import (
     INTERPRET, autocast_dtype, check_dropout_p, check_triton_device, drop_threshold, dropout_bits, dropout_seed,
     keep_from_bits, register_op, sum_partials, tl, triton)
-from fastbert.ops.fp8 import E5M2, HISTORY, _fp8_codes, finite_amax_of, history_scale, transpose_codes
+from fastbert.ops.fp8 import E5M2, FP8_MAX, HISTORY, _fp8_codes, finite_amax_of, history_scale, transpose_codes
 from fastbert.padding import unpad_by_seqlens, pad, unpad
 
 
@@ -70,6 +70,7 @@ _LOG2E = 1.4426950408889634
 # their own register layout (``_keep_of_words``), where unpacking bytes took shared-memory shuffles (H100,
 # tenth session, B=16 H=16 S=512: the forward with dropout 183 -> 145 us, 62 us without; dQ 108 -> 94 us).
 _STREAM_SHIFT = tl.constexpr(2**32)  # kernels read only constexpr globals
+_E5M2_MAX = tl.constexpr(FP8_MAX[E5M2])  # the FP8 backward's gradient codes (``_backward_packed(..., fp8=...)``)
 
 
 @triton.jit
@@ -161,7 +162,7 @@ def _store_grad(P, x, start64, head, stride_t, stride_h, rows, offs_d, row_mask,
         x = tl.where(mask, x, 0.0)
         amax = finite_amax_of(tl.abs(x))
         sums = tl.sum(x, 0)
-        codes = _fp8_codes(x * scale, 57344.0, True, HW)  # e5m2, saturated to its largest finite value
+        codes = _fp8_codes(x * scale, _E5M2_MAX, True, HW)  # saturated to e5m2's largest finite value
         tl.store(ptrs, codes.to(tl.uint8), mask=mask)
     else:
         tl.store(ptrs, x.to(P.dtype.element_ty), mask=mask)
@@ -276,7 +277,7 @@ def _bwd_dkdv_kernel(
     seq = tl.program_id(1)
     head = tl.program_id(2)
     if FP8_OUT:
-        scale, cur = history_scale(HIST, STEP, HISTORY_LEN, 57344.0)
+        scale, cur = history_scale(HIST, STEP, HISTORY_LEN, _E5M2_MAX)
         if (pid_n == 0) & (seq == 0) & (head == 0):
             tl.store(SCALE_INV, tl.math.div_rn(tl.full((), 1.0, tl.float32), scale))
     else:
@@ -416,7 +417,7 @@ def _bwd_dq_kernel(
 
     dq = dq * softmax_scale
     if FP8_OUT:
-        scale, cur = history_scale(HIST, STEP, HISTORY_LEN, 57344.0)
+        scale, cur = history_scale(HIST, STEP, HISTORY_LEN, _E5M2_MAX)
     else:
         scale, cur = 1.0, 0
     amax, sums = _store_grad(DQ, dq, start64, head, stride_dqt, stride_dqh, offs_m, offs_d, mask_m,
@@ -570,10 +571,12 @@ def _backward_packed(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen: int,
     dq, dk, dv = dqkv.unbind(1)  # (T, nh, hd) each
     batch = cu_seqlens.shape[0] - 1
     blocks = _short_bwd_blocks(head_dim, max_seqlen)
-    launch_rows = 1 if blocks is not None else triton.cdiv(max_seqlen, min(
-        _launch_config("dq", head_dim, max_seqlen, q.device)[0], _launch_config("dkdv", head_dim, max_seqlen,
-                                                                               q.device)[1]))
-    fp8_out = _Fp8Outputs(fp8, dqkv, launch_rows * batch) if fp8 else None
+    fp8_out = None
+    if fp8:  # a partial-sum row per program along the sequence: 1 (short path), else the dQ / dK/dV grids' longer
+        tiles = 1 if blocks is not None else triton.cdiv(max_seqlen, min(
+            _launch_config("dq", head_dim, max_seqlen, q.device)[0],
+            _launch_config("dkdv", head_dim, max_seqlen, q.device)[1]))
+        fp8_out = _Fp8Outputs(fp8, dqkv, tiles * batch)
     empty = total == 0 or batch == 0 or max_seqlen == 0
     if not empty:
         _launch_backward(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen, dropout_p, softmax_scale,
