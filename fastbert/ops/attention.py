@@ -705,6 +705,12 @@ class VarlenAttentionQKVPackedFunction(torch.autograd.Function):
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def check_cu_seqlens(cu_seqlens):
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+        raise TypeError(f"cu_seqlens must be a 1-D int32 tensor (fastbert.padding.unpad_mask makes one); "
+                        f"got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
+
+
 def _check_inputs(q, k, v, cu_seqlens, dropout_p):
     if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"q, k, v must share one (total_tokens, heads, head_dim) shape; got "
@@ -714,9 +720,7 @@ def _check_inputs(q, k, v, cu_seqlens, dropout_p):
     if q.shape[-1] > 128:
         raise ValueError(f"head_dim {q.shape[-1]} > 128 is not supported by the Triton kernel; "
                          "use kernels='torch' (varlen_attention_ref)")
-    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
-        raise TypeError(f"cu_seqlens must be a 1-D int32 tensor (fastbert.padding.unpad_mask makes one); "
-                        f"got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
+    check_cu_seqlens(cu_seqlens)
     if not (q.device == k.device == v.device == cu_seqlens.device):
         raise ValueError("q, k, v and cu_seqlens must be on one device")
     check_triton_device(q)

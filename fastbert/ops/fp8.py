@@ -295,17 +295,35 @@ def _dgrad(g8, wt8, sg, sw, out_dtype, dres):
     return dx if dres is None else dx + dres
 
 
+def linear_forward(x2, weight, bias, history, rows, out_dtype):
+    """An FP8 linear's forward: ``(x2 @ W^T + b, saved)``, the casts in history rows ``rows`` and ``rows + 1``;
+    ``saved``: the transposed casts and scales :func:`linear_backward` needs (for ``ctx.save_for_backward``)."""
+    x8, x8t, sx, _ = cast_fp8(x2, history, rows, E4M3)
+    w8, w8t, sw, _ = cast_fp8(weight, history, rows + 1, E4M3)
+    return _scaled_mm_bias(x8, w8.t(), sx, sw, bias, out_dtype), (x8t, w8t, sx, sw)
+
+
+def linear_backward(saved, dtypes, g8, g8t, sg, db, dres):
+    """``(dx, dW, db)`` of a :func:`linear_forward` from its ``saved`` tensors, the dtypes of (x, W, b) (b's None
+    without a bias: then db is None whatever the cast's column sums) and the cast of its output gradient ``(g8,
+    g8t, sg, column sums)``; ``dres``: the residual's gradient that joins dx (or None)."""
+    x8t, w8t, sx, sw = saved
+    x_dtype, w_dtype, b_dtype = dtypes
+    # dx = dy @ W: (T, N) x (N, K), W column-major = W^T's rows; dW = dy^T @ x: (N, T) x (T, K).
+    dx = _dgrad(g8, w8t, sg, sw, x_dtype, dres)
+    dw = torch._scaled_mm(g8t, x8t.t(), scale_a=sg, scale_b=sx, out_dtype=w_dtype)
+    return dx, dw, db.to(b_dtype) if b_dtype is not None else None
+
+
 class _Fp8Linear(torch.autograd.Function):
     """``(x2 @ W^T + b, x2)``: the input is handed back as a second output for a residual connection, whose
     gradient then joins the input gradient inside its GEMM (``_dgrad``; unused, it costs nothing)."""
 
     @staticmethod
     def forward(ctx, x2, weight, bias, history, rows, out_dtype):
-        x8, x8t, sx, _ = cast_fp8(x2, history, rows, E4M3)
-        w8, w8t, sw, _ = cast_fp8(weight, history, rows + 1, E4M3)
-        y = _scaled_mm_bias(x8, w8.t(), sx, sw, bias, out_dtype)
-        ctx.save_for_backward(x8t, w8t, sx, sw)
-        ctx.history, ctx.rows, ctx.has_bias = history, rows, bias is not None
+        y, saved = linear_forward(x2, weight, bias, history, rows, out_dtype)
+        ctx.save_for_backward(*saved)
+        ctx.history, ctx.rows = history, rows
         ctx.dtypes = (x2.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.set_materialize_grads(False)  # an unused output's gradient is None, not zeros
         return y, x2
@@ -315,13 +333,8 @@ class _Fp8Linear(torch.autograd.Function):
     def backward(ctx, dy, dres):
         if dy is None:  # only the residual's gradient arrived
             return dres, None, None, None, None, None
-        x8t, w8t, sx, sw = ctx.saved_tensors
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
-        g8, g8t, sg, db = cast_fp8(dy, ctx.history, ctx.rows + 2, E5M2, colsum=ctx.has_bias)
-        # dx = dy @ W: (T, N) x (N, K), W column-major = W^T's rows; dW = dy^T @ x: (N, T) x (T, K).
-        dx = _dgrad(g8, w8t, sg, sw, x_dtype, dres)
-        dw = torch._scaled_mm(g8t, x8t.t(), scale_a=sg, scale_b=sx, out_dtype=w_dtype)
-        return dx, dw, db.to(b_dtype) if db is not None else None, None, None, None
+        cast = cast_fp8(dy, ctx.history, ctx.rows + 2, E5M2, colsum=ctx.dtypes[2] is not None)
+        return (*linear_backward(ctx.saved_tensors, ctx.dtypes, *cast, dres), None, None, None)
 
 
 class _Fp8Ffn(torch.autograd.Function):

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 
 from fastbert.ops import attention
-from fastbert.ops._common import INTERPRET, autocast_dtype, check_dropout_p, dropout_seed
-from fastbert.ops.fp8 import E4M3, E5M2, AmaxHistory, _aligned, _dgrad, _scaled_mm_bias, cast_fp8, fp8_linear
+from fastbert.ops._common import INTERPRET, autocast_dtype, check_dropout_p
+from fastbert.ops.fp8 import E5M2, AmaxHistory, _aligned, cast_fp8, fp8_linear, linear_backward, linear_forward
 
 
 class _Fp8QkvAttention(torch.autograd.Function):
@@ -31,12 +31,10 @@ class _Fp8QkvAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, history, rows, num_heads, cu_seqlens, max_seqlen, dropout_p, softmax_scale,
                 seed, out_dtype):
-        x8, x8t, sx, _ = cast_fp8(x2, history, rows, E4M3)
-        w8, w8t, sw, _ = cast_fp8(weight, history, rows + 1, E4M3)
-        qkv = _scaled_mm_bias(x8, w8.t(), sx, sw, bias, out_dtype)
+        qkv, saved = linear_forward(x2, weight, bias, history, rows, out_dtype)
         q, k, v = qkv.view(qkv.shape[0], 3, num_heads, -1).unbind(1)
         out, lse, mask = attention._fwd_op(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, seed)
-        ctx.save_for_backward(x8t, w8t, sx, sw, qkv, out, lse, mask, cu_seqlens)
+        ctx.save_for_backward(*saved, qkv, out, lse, mask, cu_seqlens)
         ctx.history, ctx.rows, ctx.num_heads = history, rows, num_heads
         ctx.args = (max_seqlen, dropout_p, softmax_scale)
         ctx.dtypes = (x2.dtype, weight.dtype, bias.dtype if bias is not None else None)
@@ -48,20 +46,16 @@ class _Fp8QkvAttention(torch.autograd.Function):
     def backward(ctx, dout, dres):
         if dout is None:  # only the residual's gradient arrived
             return (dres,) + (None,) * 11
-        x8t, w8t, sx, sw, qkv, out, lse, mask, cu_seqlens = ctx.saved_tensors
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        *saved, qkv, out, lse, mask, cu_seqlens = ctx.saved_tensors
         q, k, v = qkv.view(qkv.shape[0], 3, ctx.num_heads, -1).unbind(1)
         row = ctx.rows + 2  # the output gradient's history row
         if row in ctx.history.primed and attention.fp8_output_pays(q.shape[-1], ctx.args[0]):
-            g8, g8t, sg, db = attention._backward_packed(dout, q, k, v, out, lse, mask, cu_seqlens, *ctx.args,
-                                                         fp8=(ctx.history, row))
-        else:  # the first backward: 16-bit gradients, measured, then cast (``cast_fp8`` primes the row)
+            cast = attention._backward_packed(dout, q, k, v, out, lse, mask, cu_seqlens, *ctx.args,
+                                              fp8=(ctx.history, row))
+        else:  # 16-bit gradients, then the cast (the row's first backward: measured first, ``cast_fp8`` primes it)
             dqkv = attention._bwd_op(dout, q, k, v, out, lse, mask, cu_seqlens, *ctx.args)
-            g8, g8t, sg, db = cast_fp8(dqkv.view(qkv.shape), ctx.history, row, E5M2, colsum=b_dtype is not None)
-        dx = _dgrad(g8, w8t, sg, sw, x_dtype, dres)
-        dw = torch._scaled_mm(g8t, x8t.t(), scale_a=sg, scale_b=sx, out_dtype=w_dtype)
-        db = db.to(b_dtype) if b_dtype is not None else None
-        return (dx, dw, db) + (None,) * 9
+            cast = cast_fp8(dqkv.view(qkv.shape), ctx.history, row, E5M2, colsum=ctx.dtypes[2] is not None)
+        return (*linear_backward(saved, ctx.dtypes, *cast, dres), *(None,) * 9)
 
 
 def fp8_qkv_attention(x: torch.Tensor, weight: torch.Tensor, bias, history: AmaxHistory, rows: int, num_heads: int,
@@ -78,12 +72,9 @@ def fp8_qkv_attention(x: torch.Tensor, weight: torch.Tensor, bias, history: Amax
         qkv, x = fp8_linear(x, weight, bias, history, rows, residual=True)
         return attention.varlen_attention_qkvpacked(qkv.view(tokens, 3, num_heads, head_dim), cu_seqlens, max_seqlen,
                                                     dropout_p, softmax_scale, seed), x
-    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
-        raise TypeError(f"cu_seqlens must be a 1-D int32 tensor (fastbert.padding.unpad_mask makes one); "
-                        f"got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
+    attention.check_cu_seqlens(cu_seqlens)
     check_dropout_p(dropout_p)
-    scale = float(softmax_scale) if softmax_scale is not None else head_dim ** -0.5
-    seed = dropout_seed(dropout_p, seed, x.device)
+    scale, seed = attention._scale_and_seed(head_dim, softmax_scale, dropout_p, seed, x.device)
     out_dtype = autocast_dtype(x.device) or x.dtype
     with torch.autocast(x.device.type, enabled=False):
         return _Fp8QkvAttention.apply(x, weight, bias, history, rows, num_heads, cu_seqlens, max_seqlen,
