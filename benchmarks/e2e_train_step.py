@@ -475,6 +475,8 @@ def parse_args(argv):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if args.out:  # made before the runs: a missing folder must not lose them at the end
+        Path(args.out).mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = True
     if args.worker:      # errors propagate: the parent shows the traceback's tail

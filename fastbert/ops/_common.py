@@ -20,6 +20,12 @@ import os
 # shape bucket, so a second run (and every later step) never tunes again. TRITON_CACHE_AUTOTUNING=0
 # turns it off. Set before any @triton.autotune below is defined (they read it then).
 os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+# Shapes: Triton compiles a variant of a kernel for every integer argument that is divisible by 16 and
+# one that is not. Arguments that follow a batch's token count (row counts, rows per program, strides of
+# (heads, tokens) tensors) are in each kernel's do_not_specialize: HF-style padded batches have another
+# count every step, and the first one divisible by 16 recompiled every kernel (a 7.5 s step on an H100,
+# BERT-base, benchmarks/RESULTS.md). They bound masks and loops, or offset a head's rows from an
+# unaligned sequence start: no alignment the compiler could use is lost.
 
 import torch  # noqa: E402
 

@@ -71,6 +71,7 @@ _LOG2E = 1.4426950408889634
 # tenth session, B=16 H=16 S=512: the forward with dropout 183 -> 145 us, 62 us without; dQ 108 -> 94 us).
 _STREAM_SHIFT = tl.constexpr(2**32)  # kernels read only constexpr globals
 _E5M2_MAX = tl.constexpr(FP8_MAX[E5M2])  # the FP8 backward's gradient codes (``_backward_packed(..., fp8=...)``)
+_PER_BATCH = ["stride_lse_h", "stride_mask_h"]  # follow the token count: not specialized (_common.py, "Shapes")
 
 
 @triton.jit
@@ -178,7 +179,7 @@ def _fp8_finish(HIST, cur, amax, PARTS, part_row, stride_part, col0, sums, offs_
     tl.store(PARTS + part_row.to(tl.int64) * stride_part + col0 + offs_d, sums, mask=mask_d)
 
 
-@triton.jit(do_not_specialize=["max_seqlen", "threshold"])
+@triton.jit(do_not_specialize=_PER_BATCH + ["max_seqlen", "threshold"])
 def _fwd_kernel(
     Q, K, V, O, LSE, MASK, CU_SEQLENS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -248,7 +249,7 @@ def _fwd_kernel(
     tl.store(LSE + head * stride_lse_h + start + offs_m, m_i + tl.math.log2(l_safe), mask=mask_m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_BATCH)
 def _bwd_dkdv_kernel(
     Q, K, V, O, DO, LSE, DELTA, MASK, DQ, DK, DV, CU_SEQLENS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
@@ -354,7 +355,7 @@ def _bwd_dkdv_kernel(
                     2 * cols + head * stride_dvh, dv_sums, offs_d, mask_d)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_BATCH)
 def _bwd_dq_kernel(
     Q, K, V, O, DO, LSE, DELTA, MASK, DQ, CU_SEQLENS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,

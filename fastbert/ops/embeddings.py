@@ -52,7 +52,7 @@ def _gather_sum(IDS_W, IDS_P, IDS_T, WORD, POS, TYPE, rows, cols, row_mask, mask
     return s, wid, pid, tid
 
 
-@triton.jit(do_not_specialize=["threshold"])
+@triton.jit(do_not_specialize=["M", "threshold"])
 def _emb_fwd_kernel(IDS_W, IDS_P, IDS_T, WORD, POS, TYPE, LN_W, LN_B, Y, MEAN, RSTD,
                     M, N, stride_word, stride_pos, stride_type, eps, threshold, scale, SEED,
                     HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -74,7 +74,7 @@ def _emb_fwd_kernel(IDS_W, IDS_P, IDS_T, WORD, POS, TYPE, LN_W, LN_B, Y, MEAN, R
     tl.store(Y + rows.to(tl.int64)[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["threshold"])
+@triton.jit(do_not_specialize=["M", "rows_per_program", "threshold"])
 def _emb_bwd_kernel(DY, IDS_W, IDS_P, IDS_T, WORD, POS, TYPE, LN_W, MEAN, RSTD,
                     DWORD, DPOS, DTYPE, DTYPE_PART, DLNW_PART, DLNB_PART,
                     M, N, rows_per_program, stride_word, stride_pos, stride_type, threshold, scale, SEED, padding_idx,

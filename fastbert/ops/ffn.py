@@ -107,7 +107,7 @@ def _gelu_fwd_kernel(Z, Y, numel, APPROX_TANH: tl.constexpr, BLOCK: tl.constexpr
     tl.store(Y + offs, gelu(z, APPROX_TANH, 0).to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "rows_per_program"])
 def _gelu_bwd_kernel(DY, Z, DZ, DB_PART, M, N, rows_per_program, stride_dy, stride_z, stride_dz,
                      APPROX_TANH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dz = dy * gelu'(z) over a column strip of ``rows_per_program`` rows; the strip's column sums

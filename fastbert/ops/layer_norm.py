@@ -88,7 +88,7 @@ def layer_norm_bwd_rows(s, dy, w, MEAN, RSTD, rows, row_mask, mask, N):
     return (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None], xhat
 
 
-@triton.jit(do_not_specialize=["threshold"])
+@triton.jit(do_not_specialize=["M", "threshold"])
 def _ln_fwd_kernel(X, RES, XB, W, B, Y, S, MEAN, RSTD,
                    M, N, stride_x, stride_res, stride_y, stride_s, eps, threshold, scale, SEED,
                    HAS_RES: tl.constexpr, HAS_XB: tl.constexpr, HAS_B: tl.constexpr,
@@ -114,7 +114,7 @@ def _ln_fwd_kernel(X, RES, XB, W, B, Y, S, MEAN, RSTD,
     tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["threshold"])
+@triton.jit(do_not_specialize=["M", "rows_per_program", "threshold"])
 def _ln_bwd_kernel(DY, DS, X, RES, XB, W, MEAN, RSTD, DX, DRES, PART,
                    M, N, rows_per_program, stride_dy, stride_ds, stride_x, stride_res, stride_dx, stride_dres,
                    threshold, scale, SEED,

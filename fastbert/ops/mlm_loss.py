@@ -147,7 +147,7 @@ def _logits_tile(H, W, B, Y, pid_m, pid_n, n, V, K, v_start, stride_h, stride_w,
 @triton.autotune(configs=_lce_configs(), key=["N_BUCKET", "V", "K"],
                  restore_value=["MAX_P", "SUM_P", "LABEL_P", "ARGMAX_P"])
 @triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _lce_fwd_kernel(H, W, B, Y, MAX_P, SUM_P, LABEL_P, ARGMAX_P, n, V, K, N_BUCKET, stride_h, stride_w,
                     stride_p, INPUT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -173,7 +173,7 @@ def _lce_fwd_kernel(H, W, B, Y, MAX_P, SUM_P, LABEL_P, ARGMAX_P, n, V, K, N_BUCK
 
 @triton.autotune(configs=_lce_configs(), key=["N_BUCKET", "V", "K"], restore_value=["DB_PART"])
 @triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
-@triton.jit
+@triton.jit(do_not_specialize=["n", "chunk"])
 def _lce_bwd_kernel(H, W, B, Y, LSE, G, DL, DB_PART, n, V, K, N_BUCKET, v_start, chunk, stride_h, stride_w,
                     stride_dl, inv_n, INPUT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
