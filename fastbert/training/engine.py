@@ -474,4 +474,9 @@ def build_engine(model: torch.nn.Module, ds_config=None, *, optimizer: Union[dic
     ds_engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client,
                                               model_parameters=groups if client is None else None,
                                               config=deepspeed_view(cfg), dist_init_required=False)
+    if ds_engine.zero_optimization_stage() == 0 and ds_engine.dp_world_size == 1:
+        # One data-parallel rank: DeepSpeed's backward would still flatten every gradient into a buffer,
+        # all-reduce it over that one rank and copy it back, an identity (~1 ms of GPU and ~2 ms of host time a
+        # step at BERT-base on an H100, benchmarks/RESULTS.md).
+        ds_engine.enable_backward_allreduce = False
     return TrainEngine(ds_engine, dist, cfg, spec, resolved)

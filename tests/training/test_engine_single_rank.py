@@ -1,0 +1,38 @@
+"""One data-parallel rank at ZeRO-0: the backward leaves the gradients where autograd put them (DeepSpeed's
+reduction over one rank, a flatten + all-reduce + copy back, is skipped) and they equal plain torch's."""
+import subprocess
+import sys
+
+SCRIPT = r'''
+import copy, os
+import torch
+import fastbert.training.engine as eng
+for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+    os.environ.pop(k, None)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2))
+ref = copy.deepcopy(model)
+e = eng.build_engine(model, optimizer={"type": "adamw", "lr": 1e-3}, micro_batch_size=4, global_batch_size=8,
+                     precision="fp32", gradient_clipping=0.0, zero_stage=0)
+assert e.zero_stage == 0 and e.ds.dp_world_size == 1 and e.ds.enable_backward_allreduce is False
+def reduced(*a, **k):
+    raise AssertionError("gradients reduced over one rank")
+e.ds.allreduce_gradients = reduced
+before = [p.detach().clone() for p in model.parameters()]
+xs = [torch.randn(4, 8) for _ in range(2)]
+for i, x in enumerate(xs):              # two micro-batches: accumulation, then the boundary
+    e.backward(e(x).pow(2).mean())
+    (ref(x).pow(2).mean() / 2).backward()
+    if i == 1:                          # the accumulated gradients, as the optimizer will see them
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-8)
+    e.step()
+assert all(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))  # the update ran
+print("OK")
+'''
+
+
+def test_single_rank_zero0_skips_the_reduction_and_trains_as_torch():
+    res = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert res.stdout.strip().splitlines()[-1] == "OK"
