@@ -26,13 +26,13 @@ def load_bench():
 
 @pytest.mark.parametrize("where", [[], ["--same-process"]], ids=["workers", "same-process"])
 def test_cpu_smoke(tmp_path, where):
+    out = tmp_path / "not" / "made"  # the script makes its --out folder
     cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--preset", "tiny", "--seq", "32", "--batch", "4",
            "--steps", "2", "--warmup", "1", "--contenders", "hf-sdpa,fb-torch", "--profile", "fb-torch",
-           "--out", str(tmp_path / "not" / "made"), *where]  # the script makes the folder
+           "--out", str(out), *where]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    tmp_path = tmp_path / "not" / "made"
-    report = json.loads((tmp_path / "e2e_tiny_s32_b4_packed.json").read_text())
+    report = json.loads((out / "e2e_tiny_s32_b4_packed.json").read_text())
     hf, fb = report["results"]
     assert (hf["contender"], fb["contender"]) == ("hf-sdpa", "fb-torch")
     assert hf["inputs_digest"] == fb["inputs_digest"]          # (two processes) the same weights and batches
@@ -40,7 +40,7 @@ def test_cpu_smoke(tmp_path, where):
     assert hf["ms_per_step"] > 0 and fb["ms_per_step"] > 0
     assert "| fb-torch |" in res.stdout
     # --profile: the profiler's table beside the JSON (CPU self time here), its top on stdout
-    assert "Self CPU" in (tmp_path / "profile_fb-torch.txt").read_text() and "--- profile fb-torch" in res.stdout
+    assert "Self CPU" in (out / "profile_fb-torch.txt").read_text() and "--- profile fb-torch" in res.stdout
 
 
 def test_failed_worker_is_reported_and_the_others_go_on(tmp_path, monkeypatch, capsys):
