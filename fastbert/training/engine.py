@@ -303,6 +303,11 @@ class TrainEngine:
     """A DeepSpeed engine plus what a training loop needs around it (rank info, LR setting, counters)."""
 
     def __init__(self, ds_engine, dist: DistInfo, ds_config: dict, optimizer: OptimizerSpec, precision: str):
+        if ds_engine.zero_optimization_stage() == 0 and ds_engine.dp_world_size == 1:
+            # One data-parallel rank: DeepSpeed's backward would still flatten every gradient into a buffer,
+            # all-reduce it over that one rank and copy it back, an identity (~1 ms of GPU and ~2 ms of host
+            # time a step at BERT-base on an H100, benchmarks/RESULTS.md).
+            ds_engine.enable_backward_allreduce = False
         self.ds = ds_engine
         self.dist = dist
         self.ds_config = ds_config
@@ -474,9 +479,4 @@ def build_engine(model: torch.nn.Module, ds_config=None, *, optimizer: Union[dic
     ds_engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client,
                                               model_parameters=groups if client is None else None,
                                               config=deepspeed_view(cfg), dist_init_required=False)
-    if ds_engine.zero_optimization_stage() == 0 and ds_engine.dp_world_size == 1:
-        # One data-parallel rank: DeepSpeed's backward would still flatten every gradient into a buffer,
-        # all-reduce it over that one rank and copy it back, an identity (~1 ms of GPU and ~2 ms of host time a
-        # step at BERT-base on an H100, benchmarks/RESULTS.md).
-        ds_engine.enable_backward_allreduce = False
     return TrainEngine(ds_engine, dist, cfg, spec, resolved)

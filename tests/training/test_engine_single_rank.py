@@ -1,5 +1,6 @@
-"""One data-parallel rank at ZeRO-0: the backward leaves the gradients where autograd put them (DeepSpeed's
-reduction over one rank, a flatten + all-reduce + copy back, is skipped) and they equal plain torch's."""
+"""One data-parallel rank at ZeRO-0 (`fastbert pretrain`'s and `fastbert finetune`'s engines): the backward leaves
+the gradients where autograd put them (DeepSpeed's reduction over one rank, a flatten + all-reduce + copy back, is
+skipped) and they equal plain torch's."""
 import subprocess
 import sys
 
@@ -28,6 +29,10 @@ for i, x in enumerate(xs):              # two micro-batches: accumulation, then 
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-8)
     e.step()
 assert all(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))  # the update ran
+from fastbert.tasks.trainer import TrainArgs, build_finetune_engine, param_groups   # `fastbert finetune`'s engine
+head = torch.nn.Linear(8, 2)
+ft = build_finetune_engine(head, param_groups(head, 1e-3, None, 0.01, False), TrainArgs(batch_size=4, progress=False))
+assert ft.ds.enable_backward_allreduce is False
 print("OK")
 '''
 
