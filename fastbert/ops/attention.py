@@ -173,10 +173,16 @@ def _store_grad(P, x, start64, head, stride_t, stride_h, rows, offs_d, row_mask,
 
 
 @triton.jit
-def _fp8_finish(HIST, cur, amax, PARTS, part_row, stride_part, col0, sums, offs_d, mask_d):
-    """Fold a program's amax into the history's current slot; store its column sums as one partial row."""
-    tl.atomic_max(HIST + cur, amax)
+def _store_part(PARTS, part_row, stride_part, col0, sums, offs_d, mask_d):
+    """Store a program's column sums of one head's gradient (columns col0 + offs_d) into its partial row."""
     tl.store(PARTS + part_row.to(tl.int64) * stride_part + col0 + offs_d, sums, mask=mask_d)
+
+
+@triton.jit
+def _fp8_finish(HIST, cur, amax, PARTS, part_row, stride_part, col0, sums, offs_d, mask_d):
+    """Fold a program's amax into the history's current slot; store its (last) column sums (``_store_part``)."""
+    tl.atomic_max(HIST + cur, amax)
+    _store_part(PARTS, part_row, stride_part, col0, sums, offs_d, mask_d)
 
 
 @triton.jit(do_not_specialize=_PER_BATCH + ["max_seqlen", "threshold"])
@@ -348,9 +354,8 @@ def _bwd_dkdv_kernel(
         part_row = pid_n * tl.num_programs(1) + seq
         cols = stride_part // 3  # nh * hd: q's, k's and v's columns
         if FUSED_DQ:
-            tl.store(PARTS + part_row.to(tl.int64) * stride_part + head * stride_dkh + offs_d, dq_sums, mask=mask_d)
-        tl.store(PARTS + part_row.to(tl.int64) * stride_part + cols + head * stride_dkh + offs_d, dk_sums,
-                 mask=mask_d)
+            _store_part(PARTS, part_row, stride_part, head * stride_dkh, dq_sums, offs_d, mask_d)
+        _store_part(PARTS, part_row, stride_part, cols + head * stride_dkh, dk_sums, offs_d, mask_d)
         _fp8_finish(HIST, cur, tl.maximum(amax, tl.maximum(dk_amax, dv_amax)), PARTS, part_row, stride_part,
                     2 * cols + head * stride_dvh, dv_sums, offs_d, mask_d)
 
