@@ -151,10 +151,10 @@ def model_flops(batch, cfg) -> float:
     return 6 * T * L * (4 * H * H + 2 * H * I) + 12 * L * H * float((lengths ** 2).sum()) + 6 * M * (H * H + H * V)
 
 
-def hf_config(preset: str, seq: int, act: str = "gelu"):
+def hf_config(preset: str, seq: int, act: str = "gelu", prenorm: bool = False):
     import transformers
     from fastbert import BertConfig
-    fb = BertConfig.preset(preset, max_position_embeddings=max(512, seq), hidden_act=act)
+    fb = BertConfig.preset(preset, max_position_embeddings=max(512, seq), hidden_act=act, prenorm=prenorm)
     d = fb.to_dict()
     d.pop("fastbert_prenorm", None)
     return transformers.BertConfig(**d), fb
@@ -172,7 +172,7 @@ class Inputs:
     @classmethod
     def make(cls, args, device) -> "Inputs":
         import transformers
-        hcfg, fcfg = hf_config(args.preset, args.seq, args.act)
+        hcfg, fcfg = hf_config(args.preset, args.seq, args.act, args.prenorm)
         torch.manual_seed(0)
         hf_state = transformers.BertForPreTraining(hcfg).state_dict()
         batches = make_batches(8, args.batch, args.seq, fcfg.vocab_size, args.mode, device)
@@ -203,6 +203,10 @@ def build(name, hf_state, hcfg, fcfg, device):
         return model, step_model
     cfg = fcfg.replace(kernels="torch" if name == "fb-torch" else "triton", fp8=name.startswith("fb-fp8"))
     model = fastbert.BertForPreTraining(cfg)
+    if cfg.prenorm:  # HF has no Pre-LN: the same weights, the final LayerNorm as initialized (ones, zeros)
+        ln = model.bert.encoder.final_layer_norm
+        hf_state = {**hf_state, "bert.encoder.final_layer_norm.weight": ln.weight.detach().clone(),
+                    "bert.encoder.final_layer_norm.bias": ln.bias.detach().clone()}
     load_converted(model, hf_state)
     model = model.to(device)
     return model, (torch.compile(model) if name == "fb-compile" else model)
@@ -445,6 +449,9 @@ def parse_args(argv):
     p.add_argument("--act", choices=("gelu", "gelu_tanh"), default="gelu",
                    help="every model's hidden_act: BERT's erf GELU, or the tanh approximation (HF's "
                         "gelu_pytorch_tanh; Google's original BERT), which fastbert runs inside cuBLASLt's GEMMs")
+    p.add_argument("--prenorm", action="store_true",
+                   help="fastbert's models Pre-LN (the academic-budget recipe's layout; HF's stay Post-LN, having no "
+                        "Pre-LN BERT): the same weights, one more LayerNorm")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--contenders", default=",".join(DEFAULT))
@@ -485,7 +492,7 @@ def main(argv=None):
         Path(args.worker_out).write_text(json.dumps(r))
         return
     import transformers
-    hcfg, fcfg = hf_config(args.preset, args.seq, args.act)
+    hcfg, fcfg = hf_config(args.preset, args.seq, args.act, args.prenorm)
     batches = make_batches(8, args.batch, args.seq, fcfg.vocab_size, args.mode, "cpu")
     flops = np.mean([model_flops(b, fcfg) for b in batches])
     real = np.mean([float(b["attention_mask"].sum()) for b in batches])
@@ -507,7 +514,7 @@ def main(argv=None):
     def write(stem: str, **extra) -> None:
         if args.out:
             report = dict(card=card, args=vars(args), flops_per_step=flops, results=results, **extra)
-            act = "" if args.act == "gelu" else f"_{args.act}"
+            act = ("" if args.act == "gelu" else f"_{args.act}") + ("_prenorm" if args.prenorm else "")
             path = Path(args.out) / f"{stem}_{args.preset}{act}_s{args.seq}_b{args.batch}_{args.mode}.json"
             path.write_text(json.dumps(report, indent=2))
 

@@ -6,6 +6,7 @@
     python3 benchmarks/real_paths.py --parts pretrain --variants "" --gpus 1,2 --gpu-variants default,z1-pack,z2-pack \
         --data DIR --out OUT                                               # ZeRO-0/1/2 on 2 GPUs
     python3 benchmarks/real_paths.py --parts ttq --data DIR --out OUT
+    python3 benchmarks/real_paths.py --parts large --large-data MLM_DIR --out OUT   # BERT-large, academic budget
 
 ``pretrain``: BERT-base, seq 128, micro batch 128, bf16, real prepared Wikipedia data (DIR from
 ``fastbert prepare --nsp --seq-len 128``): HF ``BertForPreTraining`` (SDPA) in a bare loop (bf16
@@ -22,6 +23,10 @@ epoch, batch 32, lr 2e-5: training seconds and dev accuracy.
 ``ttq``: time to quality, the small preset (L=4, H=512) for ``--ttq-steps`` steps of 256 sequences:
 HF's bare loop beside the ``fastbert pretrain`` command (``benchmarks/time_to_quality.py``, ways hf and
 fb-pretrain), both final models evaluated on the same held-out batches and masks.
+
+``large``: BERT-large through ``configs/academic-budget-large.json`` (MLM_DIR from ``fastbert prepare
+--seq-len 128``), without and with the recipe's gradient accumulation, beside HF's bare loop at the same
+sizes, micro batch and accumulation.
 
 Writes ``OUT/real_paths_<card>.json`` (every figure, with the card) and prints the table last.
 """
@@ -57,16 +62,24 @@ FT_VARIANTS = {  # name: extra `fastbert finetune` flags
 }
 
 
-def pretrain_command(out: Path, data: Path, steps: int, micro: int, extra, log: Path, gpus: int = 1) -> dict:
+BENCH_OVERRIDES = ["log.every_steps=5", "eval.every_steps=null", "eval.every_minutes=null", "eval.batches=4",
+                   "checkpoint.every_minutes=null", "checkpoint.every_steps=null", "checkpoint.at_end=false",
+                   "export.hf=false"]   # a timed run: no evaluation, checkpoint or export inside it
+
+
+def pretrain_command(out: Path, data: Path, steps: int, micro: int, extra, log: Path, gpus: int = 1,
+                     config: str = "configs/base.json", skip: int = 10) -> dict:
+    """``fastbert pretrain --config CONFIG`` for ``steps`` optimizer steps; its throughput is the median of the
+    logged windows after step ``skip``. With ``configs/base.json`` the micro batch, bf16 and an AdamW recipe are
+    set here (the variants' ``extra`` on top); another config keeps its own recipe but for ``extra``."""
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={gpus}",
                 f"--master_port={29700 + gpus}"] if gpus > 1 else [sys.executable]
-    cmd = [*launcher, "-m", "fastbert.commands.pretrain", "--config", "configs/base.json",
-           f"output_dir={out}", f"data.dir={data}", "data.auto_prepare=false", "train.deepspeed=null",
-           "train.precision=bf16", f"train.max_steps={steps}", f"train.micro_batch_size={micro}",
-           f"train.global_batch_size={micro * gpus}", "train.warmup=0.1",
-           'train.optimizer={"type":"adamw","lr":5e-4,"betas":[0.9,0.98],"eps":1e-6,"weight_decay":0.01}',
-           "log.every_steps=5", "eval.every_steps=null", "eval.batches=4", "checkpoint.every_minutes=null",
-           "checkpoint.every_steps=null", "checkpoint.at_end=false", "export.hf=false", *extra]
+    recipe = ["train.deepspeed=null", "train.precision=bf16", f"train.micro_batch_size={micro}",
+              f"train.global_batch_size={micro * gpus}", "train.warmup=0.1",
+              'train.optimizer={"type":"adamw","lr":5e-4,"betas":[0.9,0.98],"eps":1e-6,"weight_decay":0.01}'] \
+        if config == "configs/base.json" else ["train.time_budget=null"]
+    cmd = [*launcher, "-m", "fastbert.commands.pretrain", "--config", config, f"output_dir={out}", f"data.dir={data}",
+           "data.auto_prepare=false", f"train.max_steps={steps}", *recipe, *BENCH_OVERRIDES, *extra]
     from gpu_pretrain_check import read_records, run_logged
     ok, wall = run_logged(cmd, log)
     if not ok:
@@ -74,15 +87,17 @@ def pretrain_command(out: Path, data: Path, steps: int, micro: int, extra, log: 
     recs = read_records(out)
     train = [r for r in recs if r["event"] == "train"]
     start = next((r for r in recs if r["event"] == "start"), {})
-    later = [r["seq_per_s"] for r in train if r["step"] > 10] or [r["seq_per_s"] for r in train]
-    median = statistics.median(later)
+    later = [r for r in train if r["step"] > skip] or train
+    median = statistics.median(r["seq_per_s"] for r in later)
     guard = [r for r in recs if r["event"] == "guard"]
-    return {"ok": True, "wall_s": wall, "seq_per_s": median, "min_window_seq_per_s": min(later),
-            "min_over_median": min(later) / median, "windows": [round(r["seq_per_s"], 1) for r in train],
-            "tokens_per_s": statistics.median([r["tokens_per_s"] for r in train if r["step"] > 10] or [0]),
-            "mfu": statistics.median([r.get("mfu") or 0 for r in train if r["step"] > 10] or [0]),
+    return {"ok": True, "wall_s": wall, "seq_per_s": median, "min_window_seq_per_s": min(r["seq_per_s"] for r in later),
+            "min_over_median": min(r["seq_per_s"] for r in later) / median,
+            "windows": [round(r["seq_per_s"], 1) for r in train],
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in later),
+            "mfu": statistics.median(r.get("mfu") or 0 for r in later),
             "first_loss": train[0]["loss"], "last_loss": train[-1]["loss"], "guard_events": len(guard),
-            "first_window_s": train[0].get("elapsed_s"), "zero_stage": start.get("zero_stage")}
+            "first_window_s": train[0].get("elapsed_s"), "zero_stage": start.get("zero_stage"),
+            "grad_accum": start.get("grad_accum")}
 
 
 def part_pretrain(args, res: dict) -> None:
@@ -113,6 +128,29 @@ def part_pretrain(args, res: dict) -> None:
         r = res[f"fastbert_pretrain_gpus{n}"]
         if one and r.get("ok"):
             r["scaling_efficiency"] = r["seq_per_s"] / (n * one)
+
+
+def part_large(args, res: dict) -> None:
+    """BERT-large through the academic-budget recipe (``configs/academic-budget-large.json``: Pre-LN, MLM only,
+    micro batch 128, its optimizer and DeepSpeed JSON) on one GPU, at each gradient accumulation of
+    ``--large-accum`` (32 = the recipe's global batch of 4,096 on one GPU), beside HF's ``BertForMaskedLM``
+    (BERT-large sizes, SDPA) in the bare loop with the same micro batch and accumulation."""
+    from gpu_pretrain_check import hf_baseline
+    data, out = Path(args.large_data), Path(args.out)
+    for accum in (int(a) for a in args.large_accum.split(",")):
+        hf = hf_baseline(data, args.micro, steps=max(20, 2 * accum), which="hf", preset="large", accum=accum)
+        res[f"hf_bare_loop_large_accum{accum}"] = hf
+        print(f"hf bare loop, BERT-large, accumulation {accum}:", hf, flush=True)
+        steps = max(30 // accum, 6) * 3      # logged windows of 3 steps; the first third is warm-up
+        r = pretrain_command(out / f"pt_large_accum{accum}", data, steps, args.micro,
+                             [f"train.global_batch_size={args.micro * accum}", "log.every_steps=3"],
+                             out / f"log_pt_large_accum{accum}.txt", config="configs/academic-budget-large.json",
+                             skip=steps // 3)
+        r["vs_hf"] = r["seq_per_s"] / hf["seq_per_s"] if r.get("ok") else None
+        res[f"fastbert_pretrain_large_accum{accum}"] = r
+        print(f"fastbert pretrain academic-budget-large, accumulation {accum}:",
+              {k: v for k, v in r.items() if k != "windows"}, flush=True)
+        save(args, res)
 
 
 def make_random_checkpoint(vocab_dir: Path, out: Path) -> Path:
@@ -232,7 +270,13 @@ def table(res: dict) -> str:
         rows.append(("fastbert model, same bare loop", f"{bare:.0f}{cold['fastbert_bare_loop']}",
                      f"{bare / hf:.2f}x" if hf else ""))
     for k, v in res.items():
-        if k.startswith("fastbert_pretrain_") and v.get("ok"):
+        if k.startswith("hf_bare_loop_large_"):
+            rows.append((f"HF BertForMaskedLM BERT-large bare loop, {k[19:]}", f"{v['seq_per_s']:.0f}", "1.00x"))
+        elif k.startswith("fastbert_pretrain_large_") and v.get("ok"):
+            rows.append((f"fastbert pretrain academic-budget-large, {k[24:]}",
+                         f"{v['seq_per_s']:.0f} (min window {v['min_over_median']:.0%} of median)",
+                         f"{v['vs_hf']:.2f}x HF"))
+        elif k.startswith("fastbert_pretrain_") and v.get("ok"):
             extra = f" (min window {v['min_over_median']:.0%} of median; {v['guard_events']} guard events)"
             if "scaling_efficiency" in v:
                 extra += f", weak-scaling efficiency {v['scaling_efficiency']:.0%}"
@@ -268,6 +312,9 @@ def main():
     p.add_argument("--vocab", help="folder with the bert-base-uncased vocab.txt (finetune)")
     p.add_argument("--out", required=True, help="working folder (runs, logs)")
     p.add_argument("--json-dir", help="where real_paths_<card>.json goes (default: --out)")
+    p.add_argument("--large-data", help="prepared MLM-only data, seq 128 (large: `fastbert prepare --seq-len 128`)")
+    p.add_argument("--large-accum", default="1,32", help="gradient accumulations of the large part (32: the "
+                   "academic-budget recipe's global batch of 4,096 on one GPU)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--micro", type=int, default=128)
     p.add_argument("--variants", default="default,z1-pack,z2-pack,z1-none,default-noguard")
@@ -292,6 +339,8 @@ def main():
     if "pretrain" in parts:
         part_pretrain(args, res)
     save(args, res)
+    if "large" in parts:
+        part_large(args, res)
     if "finetune" in parts:
         part_finetune(args, res)
     save(args, res)

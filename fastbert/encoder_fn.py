@@ -70,9 +70,17 @@ def embed(ops, w: EmbeddingWeights, input_ids, position_ids, token_type_ids, dro
 
 def layer(ops, x, w: LayerWeights, cu_seqlens, max_seqlen: int, rows: Rows | None = None, *,
           activation: Activation, softmax_scale: float, dropout: LayerDropout = LayerDropout(),
-          prenorm: bool = False, output_attentions: bool = False):
+          prenorm: bool = False, output_attentions: bool = False, normed: torch.Tensor | None = None,
+          next_norm: LayerNormWeights | None = None):
     """One encoder layer on ``x`` ``(rows, hidden)``: Post-LN (original BERT) or Pre-LN. Returns the new
-    x and the attention maps (``attention_maps_or_packed``'s) when ``output_attentions``, else None."""
+    x, the attention maps (``attention_maps_or_packed``'s) when ``output_attentions`` else None, and (Pre-LN
+    with ``next_norm``) the new x normalized by ``next_norm``, else None.
+
+    Pre-LN chains its LayerNorms into the residual adds: ``normed`` is x already normalized by this layer's
+    first LayerNorm (the previous layer's last op made it; None: normalized here), and ``next_norm`` is the
+    LayerNorm that follows the layer (the next layer's first, or the encoder's final one), applied by the op
+    that adds the FFN's output to the residual stream (bias, dropout, add and LayerNorm in one pass, both
+    the sum and its normalization out). Without ``next_norm`` the layer ends with that addition alone."""
     nh = w.num_heads
     hd = w.qkv_weight.shape[0] // (3 * nh)  # spelled out: a batch may have no tokens at all
 
@@ -125,10 +133,15 @@ def layer(ops, x, w: LayerWeights, cu_seqlens, max_seqlen: int, rows: Rows | Non
         x = add_norm(y, x, w.attention_norm, w.attention_out_bias, dropout.attention_output)
         y, x = ffn(x)
         x = add_norm(y, x, w.output_norm, w.output_bias, dropout.output)
-        return x, probs
-    norm = w.attention_norm
-    y, probs, _ = attention(ops.dropout_add_layer_norm(x, None, norm.weight, norm.bias, norm.eps))
+        return x, probs, None
+    if normed is None:
+        norm = w.attention_norm
+        normed = ops.dropout_add_layer_norm(x, None, norm.weight, norm.bias, norm.eps)
+    y, probs, _ = attention(normed)
     h, x = add_norm(y, x, w.output_norm, w.attention_out_bias, dropout.attention_output, also_sum=True)
-    y = ffn(h)[0] + w.output_bias  # Pre-LN: the FFN's output joins the residual stream un-normalized
-    p = dropout.output
-    return x + (F.dropout(y, p, training=True) if p > 0 else y), probs
+    y = ffn(h)[0]  # Pre-LN: the FFN's output joins the residual stream un-normalized
+    if next_norm is not None:
+        normed, x = add_norm(y, x, next_norm, w.output_bias, dropout.output, also_sum=True)
+        return x, probs, normed
+    y, p = y + w.output_bias, dropout.output
+    return x + (F.dropout(y, p, training=True) if p > 0 else y), probs, None

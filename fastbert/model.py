@@ -121,15 +121,18 @@ class BertLayer(nn.Module):
                             LayerNormWeights(ln_out.weight, ln_out.bias, cfg.layer_norm_eps), fp8)
 
     def forward(self, ops, x, cu_seqlens, max_seqlen, output_attentions=False, rows: Rows | None = None,
-                fp8: tuple | None = None):
+                fp8: tuple | None = None, normed=None, next_norm: nn.LayerNorm | None = None):
         """``x``: ``(T, hidden)``, the real tokens then ``rows``' padding rows (if any); ``fp8``: see
-        ``LayerWeights.fp8``."""
+        ``LayerWeights.fp8``; Pre-LN's ``normed`` and ``next_norm`` (the LayerNorm after this layer): see
+        ``encoder_fn.layer``. Returns (x, attention maps or None, x normalized by ``next_norm`` or None)."""
         cfg = self.config
         p_attn, p = (cfg.attention_probs_dropout_prob, cfg.hidden_dropout_prob) if self.training else (0.0, 0.0)
         return encoder_fn.layer(ops, x, self.weights(fp8), cu_seqlens, max_seqlen, rows,
                                 activation=gelu_approximate(cfg.hidden_act), softmax_scale=cfg.head_dim ** -0.5,
                                 dropout=LayerDropout(p_attn, p, p), prenorm=cfg.prenorm,
-                                output_attentions=output_attentions)
+                                output_attentions=output_attentions, normed=normed,
+                                next_norm=None if next_norm is None else
+                                LayerNormWeights(next_norm.weight, next_norm.bias, cfg.layer_norm_eps))
 
 
 class BertEncoder(nn.Module):
@@ -159,16 +162,23 @@ class BertEncoder(nn.Module):
         hidden_states = [x] if output_hidden_states else None
         attentions = [] if output_attentions else None
         history = self.fp8_history(x.device)
-        for i, layer in enumerate(self.layer):
+        # Pre-LN: each layer's last residual add also applies the LayerNorm that follows it (the next layer's
+        # first, the final one after the last layer) and hands the normalized x on (encoder_fn.layer).
+        after = [layer.attention.output.LayerNorm for layer in self.layer[1:]] + [self.final_layer_norm] \
+            if self.config.prenorm else [None] * len(self.layer)
+        normed = None
+        for i, (layer, next_norm) in enumerate(zip(self.layer, after)):
             fp8 = (history, FP8_ROWS_PER_LAYER * i) if history is not None else None
-            x, probs = layer(ops, x, cu_seqlens, max_seqlen, output_attentions, rows, fp8)
+            x, probs, normed = layer(ops, x, cu_seqlens, max_seqlen, output_attentions, rows, fp8, normed, next_norm)
             if output_hidden_states:
                 hidden_states.append(x)
             if output_attentions:
                 attentions.append(probs)
         if self.final_layer_norm is not None:
-            ln = self.final_layer_norm
-            x = ops.dropout_add_layer_norm(x, None, ln.weight, ln.bias, self.config.layer_norm_eps)
+            if normed is None:  # no layers
+                ln = self.final_layer_norm
+                normed = ops.dropout_add_layer_norm(x, None, ln.weight, ln.bias, self.config.layer_norm_eps)
+            x = normed
             if output_hidden_states:
                 hidden_states[-1] = x
         return x, hidden_states, attentions

@@ -279,7 +279,7 @@ def _layer(layer, ops, x, rows: Rows, hidden_act, output_attentions):
     dropout = LayerDropout(_p(sa.dropout), _p(layer.attention.output.dropout), _p(layer.output.dropout))
     return encoder_fn.layer(ops, x, _layer_weights(layer), rows.real.cu_seqlens, rows.real.max_seqlen, rows,
                             activation=approx if fused else inter.intermediate_act_fn, softmax_scale=scale,
-                            dropout=dropout, output_attentions=output_attentions)
+                            dropout=dropout, output_attentions=output_attentions)[:2]
 
 
 def _run_layer(layer, ops, x, rows: Rows, hidden_act, output_attentions):

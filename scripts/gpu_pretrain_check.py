@@ -76,12 +76,21 @@ def read_records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def hf_baseline(data: Path, micro: int, steps: int = 20, warmup: int = 5, which: str = "hf") -> dict:
+# HF BertConfig sizes of fastbert's presets the bare loop compares (the rest as BertConfig's defaults = base)
+HF_SIZES = {"base": {}, "large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                                      intermediate_size=4096)}
+
+
+def hf_baseline(data: Path, micro: int, steps: int = 20, warmup: int = 5, which: str = "hf", preset: str = "base",
+                accum: int = 1) -> dict:
     """A bare loop (no DeepSpeed, no loader thread): bf16 autocast over fp32 weights, fused torch AdamW,
     on the same batches (same masking) as the fastbert runs, timed twice: ``seq_per_s`` from the second
     pass (steady state), ``first_pass_*`` from the first (new token counts compile or tune once).
     ``which``: "hf" = transformers' BertForPreTraining (SDPA); "fastbert" = fastbert.BertForPreTraining
-    (Triton kernels): the model's own speed, to separate it from the training loop's overhead."""
+    (Triton kernels): the model's own speed, to separate it from the training loop's overhead. Data without
+    NSP labels trains the masked-LM models (``BertForMaskedLM``). ``preset``: "base" or "large". ``accum``:
+    micro-batches a step (the loss divided by it, the optimizer every ``accum``-th); ``steps`` and ``warmup``
+    are micro-batches, rounded up to whole steps."""
     import torch
     import transformers
     from fastbert.data.masking import collator_for
@@ -89,40 +98,43 @@ def hf_baseline(data: Path, micro: int, steps: int = 20, warmup: int = 5, which:
 
     dev = torch.device("cuda")
     train = PretrainData(data, "train")
+    nsp = bool(train.index.get("nsp", True))
+    steps, warmup = (-(-n // accum) * accum for n in (steps, warmup))
     order = GlobalOrder(len(train), micro, seed=42)
     collator = collator_for(data, seed=0, device=dev)
     if which == "hf":
-        cfg = transformers.BertConfig(vocab_size=train.index["vocab_size"], attn_implementation="sdpa")
-        model = transformers.BertForPreTraining(cfg).to(dev).train()
+        cfg = transformers.BertConfig(vocab_size=train.index["vocab_size"], attn_implementation="sdpa",
+                                      **HF_SIZES[preset])
+        model = (transformers.BertForPreTraining if nsp else transformers.BertForMaskedLM)(cfg).to(dev).train()
     else:
         import fastbert
-        cfg = fastbert.BertConfig.preset("base", vocab_size=train.index["vocab_size"], kernels="triton")
-        model = fastbert.BertForPreTraining(cfg).to(dev).train()
+        cfg = fastbert.BertConfig.preset(preset, vocab_size=train.index["vocab_size"], kernels="triton")
+        model = (fastbert.BertForPreTraining if nsp else fastbert.BertForMaskedLM)(cfg).to(dev).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     batches = []
     for s in range(warmup + steps):
         b = {k: torch.from_numpy(v).to(dev) for k, v in train.batch(order.micro_batch(s, 0, 0, 1, micro)).items()}
         b["input_ids"], b["labels"] = collator(b["input_ids"], b["attention_mask"])
-        b["next_sentence_label"] = b["next_sentence_label"]
         batches.append(b)
 
-    def step(b):
+    def step(i, b):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(**b).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        (loss / accum if accum > 1 else loss).backward()
+        if (i + 1) % accum == 0:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         return loss
 
-    for b in batches[:warmup]:
-        step(b)
+    for i, b in enumerate(batches[:warmup]):
+        step(i, b)
 
     def timed_pass():
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for b in batches[warmup:]:
-            loss = step(b)
+        for i, b in enumerate(batches[warmup:]):
+            loss = step(i, b)
         end.record()
         torch.cuda.synchronize()
         return start.elapsed_time(end) / steps, loss
@@ -138,7 +150,7 @@ def hf_baseline(data: Path, micro: int, steps: int = 20, warmup: int = 5, which:
     torch.cuda.empty_cache()
     return {"seq_per_s": micro * 1000 / ms, "tokens_per_s": tokens * 1000 / ms, "step_ms": ms,
             "first_pass_seq_per_s": micro * 1000 / first_ms, "first_pass_step_ms": first_ms,
-            "last_loss": float(loss.detach()), "peak_mem_gib": mem}
+            "last_loss": float(loss.detach()), "peak_mem_gib": mem, "preset": preset, "accum": accum}
 
 
 def single(args) -> dict:

@@ -14,3 +14,16 @@ def test_table_shows_bare_loops_warm_and_first_pass():
     assert "2200 (first pass 2100)" in next(r for r in rows if r.startswith("HF BertForPreTraining"))
     assert "2.45x HF, 200% of bare" in next(r for r in rows if r.startswith("fastbert pretrain"))
     assert "first pass" not in table({"card": "X", "hf_bare_loop": {"seq_per_s": 1.0}})
+
+
+def test_table_shows_the_large_recipe_beside_its_own_hf_loop():
+    """Each BERT-large run's ratio is against HF's bare loop at the same accumulation, not BERT-base's loop."""
+    res = {"card": "X", "hf_bare_loop": {"seq_per_s": 2200.0},
+           "hf_bare_loop_large_accum32": {"seq_per_s": 1000.0},
+           "fastbert_pretrain_large_accum32": {"ok": True, "seq_per_s": 2200.0, "min_over_median": 0.95,
+                                               "vs_hf": 2.2}}
+    rows = table(res).splitlines()
+    assert "1000" in next(r for r in rows if r.startswith("HF BertForMaskedLM BERT-large bare loop, accum32"))
+    large = next(r for r in rows if r.startswith("fastbert pretrain academic-budget-large, accum32"))
+    assert "2200 (min window 95% of median)" in large and "2.20x HF" in large
+    assert not any(r.startswith("fastbert pretrain large") for r in rows)
