@@ -54,6 +54,7 @@ VARIANTS = {  # name: extra `fastbert pretrain` overrides
     "z1-pack-noguard": ["train.zero_stage=1", "guard.enabled=false"],
     "default-noguard": ["guard.enabled=false"],
     "eager": ["train.cuda_graphs=false"],
+    "span1": ["data.pack_span=1"],                     # one row a packing bin (the layout before spans)
 }
 FT_VARIANTS = {  # name: extra `fastbert finetune` flags
     "default": [],                                          # token-bucketed batches, CUDA graphs
@@ -142,15 +143,18 @@ def part_large(args, res: dict) -> None:
         res[f"hf_bare_loop_large_accum{accum}"] = hf
         print(f"hf bare loop, BERT-large, accumulation {accum}:", hf, flush=True)
         steps = max(30 // accum, 6) * 3      # logged windows of 3 steps; the first third is warm-up
-        r = pretrain_command(out / f"pt_large_accum{accum}", data, steps, args.micro,
-                             [f"train.global_batch_size={args.micro * accum}", "log.every_steps=3"],
-                             out / f"log_pt_large_accum{accum}.txt", config="configs/academic-budget-large.json",
-                             skip=steps // 3)
-        r["vs_hf"] = r["seq_per_s"] / hf["seq_per_s"] if r.get("ok") else None
-        res[f"fastbert_pretrain_large_accum{accum}"] = r
-        print(f"fastbert pretrain academic-budget-large, accumulation {accum}:",
-              {k: v for k, v in r.items() if k != "windows"}, flush=True)
-        save(args, res)
+        for name in filter(None, args.large_variants.split(",")):
+            key = f"large_accum{accum}" + ("" if name == "default" else f"_{name}")
+            r = pretrain_command(out / f"pt_{key}", data, steps, args.micro,
+                                 [f"train.global_batch_size={args.micro * accum}", "log.every_steps=3",
+                                  *VARIANTS[name]],
+                                 out / f"log_pt_{key}.txt", config="configs/academic-budget-large.json",
+                                 skip=steps // 3)
+            r["vs_hf"] = r["seq_per_s"] / hf["seq_per_s"] if r.get("ok") else None
+            res[f"fastbert_pretrain_{key}"] = r
+            print(f"fastbert pretrain academic-budget-large, accumulation {accum}, {name}:",
+                  {k: v for k, v in r.items() if k != "windows"}, flush=True)
+            save(args, res)
 
 
 def make_random_checkpoint(vocab_dir: Path, out: Path) -> Path:
@@ -315,6 +319,7 @@ def main():
     p.add_argument("--large-data", help="prepared MLM-only data, seq 128 (large: `fastbert prepare --seq-len 128`)")
     p.add_argument("--large-accum", default="1,32", help="gradient accumulations of the large part (32: the "
                    "academic-budget recipe's global batch of 4,096 on one GPU)")
+    p.add_argument("--large-variants", default="default", help="`fastbert pretrain` variants of the large part")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--micro", type=int, default=128)
     p.add_argument("--variants", default="default,z1-pack,z2-pack,z1-none,default-noguard")

@@ -13,7 +13,9 @@ Static shapes (``static=True``, what ``fastbert pretrain`` uses): every micro-ba
 ``micro_batch`` rows of ``seq_len`` tokens laid out by ``data/static_batch.py``. Without packing a
 row holds one sequence (BERT's layout); with packing (``PackedOrder``) each epoch's permuted
 sequences are first packed into rows of up to ``per_row`` sequences, and a global batch is then
-``global_batch`` ROWS: the stream position counts rows, and the state is still one integer.
+``global_batch`` ROWS: the stream position counts rows, and the state is still one integer. With a
+``span`` > 1 the packing bins are ``span`` rows (a sequence may continue into the next row of its bin,
+``static_batch.py``), and micro-batches are whole bins.
 """
 from __future__ import annotations
 
@@ -56,8 +58,9 @@ class PretrainData:
             self._lengths = np.concatenate([s.lengths() for s in self.shards]) if self.shards else np.zeros(0, int)
         return self._lengths
 
-    def static_batch(self, rows, per_row: int) -> dict:
-        """Static-shape arrays for ``rows`` (each a list of global sequence indices); see static_batch.py."""
+    def static_batch(self, rows, per_row: int, span: int = 1) -> dict:
+        """Static-shape arrays for ``rows`` (each a list of global sequence indices; a bin of ``span`` rows);
+        see static_batch.py."""
         seqs = []
         for row in rows:
             items = []
@@ -65,7 +68,7 @@ class PretrainData:
                 shard, j = self.locate(int(i))
                 items.append((shard.sequence(j), int(shard.bstart[j]), int(shard.nsp[j])))
             seqs.append(items)
-        return build_rows(seqs, self.seq_len, per_row, self.pad_id, self.nsp)
+        return build_rows(seqs, self.seq_len, per_row, self.pad_id, self.nsp, span)
 
     def batch(self, indices, pad_to: Optional[int] = None, multiple_of: int = 8) -> dict:
         """Padded (batch, seq) numpy arrays for global sequence ``indices``: ``input_ids`` (int64),
@@ -127,39 +130,46 @@ class GlobalOrder:
 
 
 class PackedOrder:
-    """Packed rows: epoch ``e`` packs the permutation of ``(seed, e)`` into rows of at most ``seq_len``
-    tokens and ``per_row`` sequences (first fit, see ``pack_rows``, over windows of ``window``
-    sequences so packing stays local and fast); global step ``s`` takes rows ``[s * G, (s + 1) * G)``
-    of that list (``G`` = global batch in rows), the incomplete last batch of an epoch is dropped.
-    Which rows form a global batch does not depend on the rank/accumulation split."""
+    """Packed rows: epoch ``e`` packs the permutation of ``(seed, e)`` into bins of ``span`` rows, at most
+    ``span * seq_len`` tokens and ``span * per_row`` sequences (first fit, see ``pack_rows``, over windows of
+    ``window`` sequences so packing stays local and fast); global step ``s`` takes rows ``[s * G, (s + 1) * G)``
+    of that list (``G`` = global batch in rows, a multiple of ``span``), the incomplete last batch of an epoch is
+    dropped. Which rows form a global batch does not depend on the rank/accumulation split (micro-batches are
+    whole bins: every split's micro batch a multiple of ``span``)."""
 
     def __init__(self, lengths: np.ndarray, global_batch: int, seed: int, seq_len: int, per_row: int,
-                 window: int = 256):
+                 window: int = 256, span: int = 1):
         self.lengths = np.asarray(lengths)
+        if global_batch % span:
+            raise ValueError(f"global batch {global_batch} is not a multiple of the packing span {span}")
+        if len(self.lengths) and int(self.lengths.max()) > seq_len:
+            raise ValueError(f"a sequence has {int(self.lengths.max())} tokens, more than seq_len={seq_len}")
         self.order = GlobalOrder(len(self.lengths), 1, seed)   # the permutation per epoch
         self.global_batch, self.seq_len, self.per_row, self.window = global_batch, seq_len, per_row, window
-        self._epoch, self._rows = None, None
+        self.span = span
+        self._epoch, self._bins = None, None
         self._steps: dict[int, int] = {}          # epoch -> global steps in it (packing each epoch once)
-        first = self.rows(0)
-        if len(first) < global_batch:
-            raise ShardError(f"the training split packs into {len(first)} rows of {seq_len} tokens, fewer than one "
+        rows = len(self.bins(0)) * span
+        if rows < global_batch:
+            raise ShardError(f"the training split packs into {rows} rows of {seq_len} tokens, fewer than one "
                              f"global batch ({global_batch}); prepare more text or lower train.global_batch_size")
-        self.steps_first_epoch = len(first) // global_batch
+        self.steps_first_epoch = rows // global_batch
 
-    def rows(self, epoch: int) -> list[list[int]]:
+    def bins(self, epoch: int) -> list[list[int]]:
+        """The epoch's packing bins (``span`` rows each), as lists of sequence indices."""
         if epoch != self._epoch:
             perm = self.order.permutation(epoch)
             out = []
             for start in range(0, len(perm), self.window):
                 chunk = perm[start:start + self.window]
-                out += [[int(chunk[k]) for k in row]
-                        for row in pack_rows(self.lengths[chunk].tolist(), self.seq_len, self.per_row)]
-            self._epoch, self._rows = epoch, out
-        return self._rows
+                out += [[int(chunk[k]) for k in row] for row in
+                        pack_rows(self.lengths[chunk].tolist(), self.span * self.seq_len, self.span * self.per_row)]
+            self._epoch, self._bins = epoch, out
+        return self._bins
 
     def steps_in(self, epoch: int) -> int:
         if epoch not in self._steps:
-            self._steps[epoch] = len(self.rows(epoch)) // self.global_batch
+            self._steps[epoch] = len(self.bins(epoch)) * self.span // self.global_batch
         return self._steps[epoch]
 
     def _locate(self, step: int) -> tuple[int, int]:
@@ -171,9 +181,12 @@ class PackedOrder:
         return epoch, step * self.global_batch
 
     def micro_rows(self, step: int, micro: int, rank: int, world: int, micro_batch: int) -> list[list[int]]:
+        """The micro-batch's bins (``micro_batch / span`` of them)."""
+        if micro_batch % self.span:
+            raise ValueError(f"micro batch {micro_batch} is not a multiple of the packing span {self.span}")
         epoch, first = self._locate(step)
         start = first + (micro * world + rank) * micro_batch
-        return self.rows(epoch)[start:start + micro_batch]
+        return self.bins(epoch)[start // self.span:(start + micro_batch) // self.span]
 
 
 class PretrainLoader:
@@ -192,6 +205,7 @@ class PretrainLoader:
         self.rank, self.world, self.micro_batch, self.grad_accum = rank, world, micro_batch, grad_accum
         self.step = start_step
         self.prefetch, self.pin, self.pad_to, self.per_row = prefetch, pin, pad_to, per_row
+        self.span = getattr(order, "span", 1)     # rows a packing bin spans (PackedOrder)
         self._queue: Optional[queue.Queue] = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -199,7 +213,7 @@ class PretrainLoader:
     def _make(self, step: int, micro: int) -> dict:
         if self.per_row is not None:
             rows = self.order.micro_rows(step, micro, self.rank, self.world, self.micro_batch)
-            arrays = self.data.static_batch(rows, self.per_row)
+            arrays = self.data.static_batch(rows, self.per_row, self.span)
         else:
             idx = self.order.micro_batch(step, micro, self.rank, self.world, self.micro_batch)
             arrays = self.data.batch(idx, self.pad_to)

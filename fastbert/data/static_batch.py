@@ -9,9 +9,17 @@ attention never crosses a sequence boundary and the padding only attends to itse
 predicted and never pooled). Position ids restart at 0 for every sequence; token types come from the
 prepared data; NSP reads each sequence's first token.
 
+Spans (``span`` > 1): ``span`` consecutive rows form one packing bin of ``span * seq_len`` tokens and
+``span * per_row`` sequences, so a sequence may continue from one row into the next: the rows are only
+the batch's shape, the encoder sees one token stream. Sequences of 90-125 tokens fill 128-token rows
+to ~90% one bin a row, ~97% four rows a bin (``benchmarks/RESULTS.md``). A bin's ``span * (per_row + 1)``
+segments are its sequences, then empty slots, then its padding as the fewest segments of at most
+``seq_len`` tokens in its last slots (so the first ``span * per_row`` slots hold only sequences); with
+``span`` 1 that is the row layout above.
+
 Every array has a size fixed by ``(rows, seq_len, per_row)``: ``cu_seqlens`` is
 ``rows * (per_row + 1) + 1`` long, NSP slots are ``rows * per_row`` (label -100 where empty), and
-``max_seqlen`` is ``seq_len``. So Triton tunes each kernel once, nothing in a step needs a length
+``max_seqlen`` is ``seq_len`` (no segment is longer). So Triton tunes each kernel once, nothing in a step needs a length
 from the device, and the step could be captured as a CUDA graph. Built on the host (numpy) in the
 loader thread; the model's static entry point is ``BertForPreTraining(..., packed=batch)``.
 
@@ -32,39 +40,44 @@ from fastbert.data.masking import IGNORE_INDEX
 
 
 def build_rows(rows: Sequence[Sequence[tuple]], seq_len: int, per_row: int, pad_id: int,
-               nsp: bool) -> dict:
-    """``rows``: for each row, its sequences as ``(ids, b_start, is_random_next)`` (``b_start`` 0:
-    no segment B). Returns numpy arrays (see the module docstring)."""
-    n_rows = len(rows)
-    ids = np.full((n_rows, seq_len), pad_id, dtype=np.int64)
-    mask = np.zeros((n_rows, seq_len), dtype=np.int64)
-    types = np.zeros((n_rows, seq_len), dtype=np.int64)
-    positions = np.zeros((n_rows, seq_len), dtype=np.int64)
-    seg = np.zeros((n_rows, per_row + 1), dtype=np.int64)         # segment lengths, padding tail last
-    cls = np.zeros((n_rows, per_row), dtype=np.int64)
-    nsp_label = np.full((n_rows, per_row), IGNORE_INDEX, dtype=np.int64)
+               nsp: bool, span: int = 1) -> dict:
+    """``rows``: for each bin of ``span`` rows, its sequences as ``(ids, b_start, is_random_next)`` (``b_start`` 0:
+    no segment B). Returns numpy arrays of ``len(rows) * span`` rows (see the module docstring)."""
+    n_bins, width, slots = len(rows), span * seq_len, span * per_row
+    ids = np.full((n_bins, width), pad_id, dtype=np.int64)
+    mask = np.zeros((n_bins, width), dtype=np.int64)
+    types = np.zeros((n_bins, width), dtype=np.int64)
+    positions = np.zeros((n_bins, width), dtype=np.int64)
+    seg = np.zeros((n_bins, slots + span), dtype=np.int64)        # segment lengths, padding in the last slots
+    cls = np.zeros((n_bins, slots), dtype=np.int64)
+    nsp_label = np.full((n_bins, slots), IGNORE_INDEX, dtype=np.int64)
     for r, row in enumerate(rows):
-        if len(row) > per_row:
-            raise ValueError(f"row {r} holds {len(row)} sequences, more than per_row={per_row}")
+        if len(row) > slots:
+            raise ValueError(f"row {r} holds {len(row)} sequences, more than per_row={per_row}"
+                             + (f" x span {span}" if span > 1 else ""))
         at = 0
         for k, (s, b_start, random_next) in enumerate(row):
             n = len(s)
-            if at + n > seq_len:
-                raise ValueError(f"row {r}: sequences of {at + n} tokens do not fit seq_len={seq_len}")
+            if at + n > width:
+                raise ValueError(f"row {r}: sequences of {at + n} tokens do not fit "
+                                 + (f"{span} rows of seq_len={seq_len}" if span > 1 else f"seq_len={seq_len}"))
             ids[r, at:at + n] = s
             mask[r, at:at + n] = 1
             if b_start:
                 types[r, at + b_start:at + n] = 1
             positions[r, at:at + n] = np.arange(n)
             seg[r, k] = n
-            cls[r, k] = r * seq_len + at
+            cls[r, k] = r * width + at
             nsp_label[r, k] = int(random_next)
             at += n
-        seg[r, per_row] = seq_len - at
-        cls[r, len(row):] = r * seq_len                      # empty slots: any valid row, never counted
-    cu = np.zeros(n_rows * (per_row + 1) + 1, dtype=np.int32)
+        pad = width - at                                   # at most span segments of seq_len, ending the bin
+        chunks = max(1, -(-pad // seq_len))
+        seg[r, slots + span - chunks:] = [min(seq_len, pad - i * seq_len) for i in range(chunks)]
+        cls[r, len(row):] = r * width                      # empty slots: any valid row, never counted
+    cu = np.zeros(n_bins * (slots + span) + 1, dtype=np.int32)
     np.cumsum(seg.reshape(-1), out=cu[1:])
-    out = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types, "position_ids": positions,
+    out = {"input_ids": ids.reshape(-1, seq_len), "attention_mask": mask.reshape(-1, seq_len),
+           "token_type_ids": types.reshape(-1, seq_len), "position_ids": positions.reshape(-1, seq_len),
            "cu_seqlens": cu, "cls_positions": cls.reshape(-1)}
     if nsp:
         out["next_sentence_label"] = nsp_label.reshape(-1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -71,12 +72,17 @@ class DataSection:
     masking: MaskingSection
     packing: str
     per_row: int
+    pack_span: int
     prefetch: int
 
     @property
     def sequences_per_row(self) -> int:
         """Prepared sequences a row holds at most: ``per_row`` when packing, else 1."""
         return self.per_row if self.packing == "pack" else 1
+
+    def span_for(self, micro_batch_size: int) -> int:
+        """Rows a packing bin spans at this micro batch (``data/static_batch.py``): 1 without packing."""
+        return math.gcd(self.pack_span, micro_batch_size) if self.packing == "pack" else 1
 
 
 @dataclass

@@ -43,6 +43,8 @@ KEYS: list[tuple[str, object, str, str]] = [
      "static-shape rows of seq_len tokens: pack = up to data.per_row sequences a row (global batch counts rows); "
      "none = one sequence a row"),
     ("data.per_row", 4, "int>0", "most prepared sequences packed into one row (data.packing=pack)"),
+    ("data.pack_span", 4, "int>0", "rows one packing bin spans (data.packing=pack): a sequence may continue into "
+     "the next row of its bin; the span used is gcd(data.pack_span, train.micro_batch_size)"),
     ("data.prefetch", 4, "int>=0", "batches prepared ahead by the loader thread"),
     # train
     ("train.micro_batch_size", 32, "int>0", "sequences per rank per forward/backward"),

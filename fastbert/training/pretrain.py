@@ -384,7 +384,8 @@ def build_loader(r: Run):
     d_cfg, engine, seed, train_data = r.cfg.data, r.engine, r.cfg.train.seed, r.train_data
     per_row = d_cfg.sequences_per_row
     if d_cfg.packing == "pack":               # "pack" | "none", checked at load (config_keys.py)
-        order = PackedOrder(train_data.lengths(), engine.global_batch_size, seed, train_data.seq_len, per_row)
+        order = PackedOrder(train_data.lengths(), engine.global_batch_size, seed, train_data.seq_len, per_row,
+                            span=d_cfg.span_for(engine.micro_batch_size))
     else:
         order = GlobalOrder(len(train_data), engine.global_batch_size, seed)
     return PretrainLoader(train_data, order, rank=r.dist.rank, world=r.dist.world_size,
@@ -470,8 +471,8 @@ def train(r: Run) -> dict:
                         continue
                     break
                 engine.set_lr(step_lr)
-            tokens, sequences = host_counts(batch, per_row)
-            kw = static_inputs(batch, collator, dist.device)
+            tokens, sequences = host_counts(batch, per_row, loader.span)
+            kw = static_inputs(batch, collator, dist.device, loader.span)
             if not has_nsp_head:
                 kw["packed"].pop("next_sentence_label", None)
             out = engine(**kw)

@@ -59,21 +59,26 @@ class Accumulator:
         return dict(zip(self.KEYS, vals[:len(self.KEYS)])), vals[len(self.KEYS):]
 
 
-def host_counts(batch: dict, per_row: int) -> tuple[int, int]:
+def host_counts(batch: dict, per_row: int, span: int = 1) -> tuple[int, int]:
     """Real tokens and sequences of a loader batch, counted on its host tensors (``numpy()`` refuses a
-    device tensor: this never waits on the GPU)."""
+    device tensor: this never waits on the GPU). ``span``: rows a packing bin spans (its first ``span *
+    per_row`` segments are sequences, data/static_batch.py)."""
     cu = batch["cu_seqlens"].numpy()
     return int(batch["attention_mask"].numpy().sum()), \
-        int((np.diff(cu, axis=-1).reshape(-1, per_row + 1)[:, :per_row] > 0).sum())
+        int((np.diff(cu, axis=-1).reshape(-1, span * (per_row + 1))[:, :span * per_row] > 0).sum())
 
 
-def static_inputs(batch: dict, collator, device) -> dict:
+def static_inputs(batch: dict, collator, device, span: int = 1) -> dict:
     """Model kwargs for one static-shape micro-batch (data/static_batch.py): masking on the device into
-    the collator's fixed slots; every shape is fixed by (rows, seq_len, per_row)."""
+    the collator's fixed slots; every shape is fixed by (rows, seq_len, per_row). The masking sees each
+    packing bin of ``span`` rows as one row (a word or sequence may continue into the next row)."""
     b = to_device(batch, device)
-    ids, positions, targets = collator.masked_slots(b["input_ids"], b["attention_mask"])
-    packed = {"input_ids": ids, "token_type_ids": b["token_type_ids"], "position_ids": b["position_ids"],
-              "cu_seqlens": b["cu_seqlens"], "max_seqlen": ids.shape[1], "mlm_positions": positions,
+    rows, seq_len = b["input_ids"].shape
+    ids, positions, targets = collator.masked_slots(b["input_ids"].view(rows // span, span * seq_len),
+                                                    b["attention_mask"].view(rows // span, span * seq_len))
+    packed = {"input_ids": ids.view(rows, seq_len), "token_type_ids": b["token_type_ids"],
+              "position_ids": b["position_ids"], "cu_seqlens": b["cu_seqlens"], "max_seqlen": seq_len,
+              "mlm_positions": positions,
               "mlm_targets": targets}
     if "next_sentence_label" in b:
         packed["cls_positions"] = b["cls_positions"]

@@ -26,8 +26,8 @@ def sequences(seed: int, n: int):
     return out
 
 
-def both_layouts(seqs, per_row, rng):
-    """(padded kwargs, packed kwargs) with the same masked tokens and labels."""
+def both_layouts(seqs, per_row, rng, span=1):
+    """(padded kwargs, packed kwargs) with the same masked tokens and labels; ``span`` rows a packing bin."""
     n = len(seqs)
     # Padded: one sequence a row (the layout of HF's call), labels -100 where nothing is predicted.
     padded = build_rows([[s] for s in seqs], SEQ, 1, 0, nsp=True)
@@ -37,19 +37,19 @@ def both_layouts(seqs, per_row, rng):
     masked_ids = np.where(chosen, 3, padded["input_ids"])
     # Packed: the same sequences, several a row; the masked tokens follow their sequence.
     rows = []
-    for i in range(0, n, per_row):
-        rows.append(list(range(i, min(n, i + per_row))))
-    rows = [r for r in rows if sum(len(seqs[i][0]) for i in r) <= SEQ] or [[i] for i in range(n)]
-    packed = build_rows([[seqs[i] for i in r] for r in rows], SEQ, per_row, 0, nsp=True)
-    p_ids = packed["input_ids"].copy()
+    for i in range(0, n, per_row * span):
+        rows.append(list(range(i, min(n, i + per_row * span))))
+    rows = [r for r in rows if sum(len(seqs[i][0]) for i in r) <= span * SEQ] or [[i] for i in range(n)]
+    packed = build_rows([[seqs[i] for i in r] for r in rows], SEQ, per_row, 0, nsp=True, span=span)
+    p_ids = packed["input_ids"].reshape(-1).copy()
     positions, targets = [], []
     for r, row in enumerate(rows):
-        at = 0
+        at = r * span * SEQ
         for i in row:
             L = len(seqs[i][0])
             for j in np.nonzero(chosen[i, :L])[0]:
-                p_ids[r, at + j] = 3
-                positions.append(r * SEQ + at + j)
+                p_ids[at + j] = 3
+                positions.append(at + j)
                 targets.append(int(padded["input_ids"][i, j]))
             at += L
     slots = len(positions) + 5                                 # a few unused slots, as the collator leaves
@@ -59,7 +59,7 @@ def both_layouts(seqs, per_row, rng):
     kw_padded = dict(input_ids=t(masked_ids), attention_mask=t(padded["attention_mask"]),
                      token_type_ids=t(padded["token_type_ids"]), labels=t(labels),
                      next_sentence_label=t(padded["next_sentence_label"]))
-    kw_packed = {"packed": dict(input_ids=t(p_ids), token_type_ids=t(packed["token_type_ids"]),
+    kw_packed = {"packed": dict(input_ids=t(p_ids.reshape(-1, SEQ)), token_type_ids=t(packed["token_type_ids"]),
                                 position_ids=t(packed["position_ids"]), cu_seqlens=t(packed["cu_seqlens"]),
                                 max_seqlen=SEQ, mlm_positions=t(positions), mlm_targets=t(targets),
                                 cls_positions=t(packed["cls_positions"]),
@@ -76,16 +76,20 @@ def loss_and_grads(model, kw):
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
-@pytest.mark.parametrize("cls", [BertForPreTraining, BertForMaskedLM])
-def test_packed_step_matches_padded_call(kernels, cls):
+@pytest.mark.parametrize("cls,span", [(BertForPreTraining, 1), (BertForMaskedLM, 1), (BertForPreTraining, 2)])
+def test_packed_step_matches_padded_call(kernels, cls, span):
+    """span 2: bins of two rows, so sequences continue from one row into the next."""
     torch.manual_seed(0)
     cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                      intermediate_size=64, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
                      attention_probs_dropout_prob=0.0, kernels=kernels)
     model = cls(cfg).to(DEVICE).train()
     seqs = sequences(1, 9)
-    kw_padded, kw_packed, n = both_layouts(seqs, per_row=3, rng=np.random.default_rng(2))
+    kw_padded, kw_packed, n = both_layouts(seqs, per_row=3, rng=np.random.default_rng(2), span=span)
     assert n == len(seqs)
+    if span > 1:  # some sequence crosses a row boundary
+        cu = kw_packed["packed"]["cu_seqlens"].cpu().numpy()
+        assert any(a // SEQ != (b - 1) // SEQ for a, b in zip(cu[:-1], cu[1:]) if b > a)
     if cls is BertForMaskedLM:
         kw_padded.pop("next_sentence_label")
         kw_packed["packed"].pop("next_sentence_label")
