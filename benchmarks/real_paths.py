@@ -55,6 +55,7 @@ VARIANTS = {  # name: extra `fastbert pretrain` overrides
     "default-noguard": ["guard.enabled=false"],
     "eager": ["train.cuda_graphs=false"],
     "span1": ["data.pack_span=1"],                     # one row a packing bin (the layout before spans)
+    "fp8": ["train.precision=fp8"],
 }
 FT_VARIANTS = {  # name: extra `fastbert finetune` flags
     "default": [],                                          # token-bucketed batches, CUDA graphs

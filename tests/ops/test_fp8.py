@@ -281,11 +281,14 @@ def test_unaligned_shapes_run_linear():
     assert not h.primed
 
 
-def test_model_fp8_training_forward():
+@pytest.mark.parametrize("prenorm", [False, True])
+def test_model_fp8_training_forward(prenorm):
     """BertConfig.fp8 changes training forwards only: eval equals the 32-bit model, the training loss and
-    gradients stay within the FP8 bounds, and training on a fixed batch lowers the loss."""
+    gradients stay within the FP8 bounds, and training on a fixed batch lowers the loss (Post-LN and Pre-LN,
+    whose LayerNorms run inside the residual additions)."""
     from fastbert import BertConfig, BertForPreTraining
-    cfg = BertConfig.preset("tiny", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, vocab_size=512)
+    cfg = BertConfig.preset("tiny", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, vocab_size=512,
+                            prenorm=prenorm)
     torch.manual_seed(0)
     ref = BertForPreTraining(cfg).to(DEVICE)
     model = BertForPreTraining(cfg.replace(fp8=True)).to(DEVICE)
