@@ -156,6 +156,21 @@ def part_large(args, res: dict) -> None:
             print(f"fastbert pretrain academic-budget-large, accumulation {accum}, {name}:",
                   {k: v for k, v in r.items() if k != "windows"}, flush=True)
             save(args, res)
+    one = res.get(f"fastbert_pretrain_large_accum{accum}", {}).get("seq_per_s")
+    for n in (int(g) for g in args.large_gpus.split(",") if g and int(g) > 1):
+        # the recipe's global batch on n GPUs: the last accumulation's global batch, accumulation / n each
+        key = f"large_gpus{n}"
+        r = pretrain_command(out / f"pt_{key}", data, steps, args.micro,
+                             [f"train.global_batch_size={args.micro * accum}", "log.every_steps=3"],
+                             out / f"log_pt_{key}.txt", gpus=n, config="configs/academic-budget-large.json",
+                             skip=steps // 3)
+        if r.get("ok"):
+            r["vs_hf"] = r["seq_per_s"] / hf["seq_per_s"]
+            r["scaling_efficiency"] = r["seq_per_s"] / (n * one) if one else None
+        res[f"fastbert_pretrain_{key}"] = r
+        print(f"fastbert pretrain academic-budget-large on {n} GPUs:",
+              {k: v for k, v in r.items() if k != "windows"}, flush=True)
+        save(args, res)
 
 
 def make_random_checkpoint(vocab_dir: Path, out: Path) -> Path:
@@ -278,9 +293,10 @@ def table(res: dict) -> str:
         if k.startswith("hf_bare_loop_large_"):
             rows.append((f"HF BertForMaskedLM BERT-large bare loop, {k[19:]}", f"{v['seq_per_s']:.0f}", "1.00x"))
         elif k.startswith("fastbert_pretrain_large_") and v.get("ok"):
+            eff = f", weak-scaling efficiency {v['scaling_efficiency']:.0%}" if v.get("scaling_efficiency") else ""
             rows.append((f"fastbert pretrain academic-budget-large, {k[24:]}",
-                         f"{v['seq_per_s']:.0f} (min window {v['min_over_median']:.0%} of median)",
-                         f"{v['vs_hf']:.2f}x HF"))
+                         f"{v['seq_per_s']:.0f} (min window {v['min_over_median']:.0%} of median{eff})",
+                         f"{v['vs_hf']:.2f}x HF (1 GPU)" if "gpus" in k else f"{v['vs_hf']:.2f}x HF"))
         elif k.startswith("fastbert_pretrain_") and v.get("ok"):
             extra = f" (min window {v['min_over_median']:.0%} of median; {v['guard_events']} guard events)"
             if "scaling_efficiency" in v:
@@ -321,6 +337,8 @@ def main():
     p.add_argument("--large-accum", default="1,32", help="gradient accumulations of the large part (32: the "
                    "academic-budget recipe's global batch of 4,096 on one GPU)")
     p.add_argument("--large-variants", default="default", help="`fastbert pretrain` variants of the large part")
+    p.add_argument("--large-gpus", default="", help="also run the large part's last accumulation on these GPU counts "
+                   "(the same global batch, weak scaling against one GPU; a multi-GPU kind)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--micro", type=int, default=128)
     p.add_argument("--variants", default="default,z1-pack,z2-pack,z1-none,default-noguard")
