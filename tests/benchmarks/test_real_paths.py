@@ -27,3 +27,7 @@ def test_table_shows_the_large_recipe_beside_its_own_hf_loop():
     large = next(r for r in rows if r.startswith("fastbert pretrain academic-budget-large, accum32"))
     assert "2200 (min window 95% of median)" in large and "2.20x HF" in large
     assert not any(r.startswith("fastbert pretrain large") for r in rows)
+    res["fastbert_pretrain_large_gpus2"] = {"ok": True, "seq_per_s": 4300.0, "min_over_median": 0.9, "vs_hf": 4.3,
+                                            "scaling_efficiency": 4300 / 4400}
+    two = next(r for r in table(res).splitlines() if r.startswith("fastbert pretrain academic-budget-large, gpus2"))
+    assert "weak-scaling efficiency 98%" in two and "4.30x HF (1 GPU)" in two
