@@ -433,7 +433,8 @@ def train(r: Run) -> dict:
     log.log("start", start_step, world_size=dist.world_size, num_nodes=dist.num_nodes,
             local_world_size=dist.local_world_size, zero_stage=engine.zero_stage, precision=engine.precision_name,
             grad_accum=engine.grad_accum, global_batch_size=engine.global_batch_size, device=str(dist.device),
-            train_sequences=len(train_data), deterministic=det is not None, data_skip=r.data_skip,
+            train_sequences=len(train_data), pack_span=loader.span, deterministic=det is not None,
+            data_skip=r.data_skip,
             preflight_s=pre.get("preflight_s"))
     acc, step_acc = Accumulator(dist.device), Accumulator(dist.device)
     log_every = cfg.log.every_steps

@@ -202,6 +202,7 @@ def test_resume_on_two_ranks_from_one(slice_dir, tmp_path):
     assert resume["weights_match"] is True
     start = [r for r in records(two, "start") if r["step"] == 12][0]
     assert start["world_size"] == 2 and start["grad_accum"] == 2
+    assert start["pack_span"] == 4 == records(one, "start")[0]["pack_span"]   # bins of 4 rows: micro batch 4
     got = by_step(records(two))
     assert sorted(got) == [13, 14, 15, 16]
     for s in got:
