@@ -139,38 +139,34 @@ def part_large(args, res: dict) -> None:
     (BERT-large sizes, SDPA) in the bare loop with the same micro batch and accumulation."""
     from gpu_pretrain_check import hf_baseline
     data, out = Path(args.large_data), Path(args.out)
+
+    def recipe(key: str, accum: int, hf: dict, steps: int, extra=(), gpus: int = 1) -> dict:
+        r = pretrain_command(out / f"pt_{key}", data, steps, args.micro,
+                             [f"train.global_batch_size={args.micro * accum}", "log.every_steps=3", *extra],
+                             out / f"log_pt_{key}.txt", gpus=gpus, config="configs/academic-budget-large.json",
+                             skip=steps // 3)
+        r["vs_hf"] = r["seq_per_s"] / hf["seq_per_s"] if r.get("ok") else None
+        res[f"fastbert_pretrain_{key}"] = r
+        print(f"fastbert pretrain academic-budget-large, {key}:", {k: v for k, v in r.items() if k != "windows"},
+              flush=True)
+        save(args, res)
+        return r
+
     for accum in (int(a) for a in args.large_accum.split(",")):
         hf = hf_baseline(data, args.micro, steps=max(20, 2 * accum), which="hf", preset="large", accum=accum)
         res[f"hf_bare_loop_large_accum{accum}"] = hf
         print(f"hf bare loop, BERT-large, accumulation {accum}:", hf, flush=True)
         steps = max(30 // accum, 6) * 3      # logged windows of 3 steps; the first third is warm-up
         for name in filter(None, args.large_variants.split(",")):
-            key = f"large_accum{accum}" + ("" if name == "default" else f"_{name}")
-            r = pretrain_command(out / f"pt_{key}", data, steps, args.micro,
-                                 [f"train.global_batch_size={args.micro * accum}", "log.every_steps=3",
-                                  *VARIANTS[name]],
-                                 out / f"log_pt_{key}.txt", config="configs/academic-budget-large.json",
-                                 skip=steps // 3)
-            r["vs_hf"] = r["seq_per_s"] / hf["seq_per_s"] if r.get("ok") else None
-            res[f"fastbert_pretrain_{key}"] = r
-            print(f"fastbert pretrain academic-budget-large, accumulation {accum}, {name}:",
-                  {k: v for k, v in r.items() if k != "windows"}, flush=True)
-            save(args, res)
+            recipe(f"large_accum{accum}" + ("" if name == "default" else f"_{name}"), accum, hf, steps,
+                   VARIANTS[name])
     one = res.get(f"fastbert_pretrain_large_accum{accum}", {}).get("seq_per_s")
     for n in (int(g) for g in args.large_gpus.split(",") if g and int(g) > 1):
         # the recipe's global batch on n GPUs: the last accumulation's global batch, accumulation / n each
-        key = f"large_gpus{n}"
-        r = pretrain_command(out / f"pt_{key}", data, steps, args.micro,
-                             [f"train.global_batch_size={args.micro * accum}", "log.every_steps=3"],
-                             out / f"log_pt_{key}.txt", gpus=n, config="configs/academic-budget-large.json",
-                             skip=steps // 3)
-        if r.get("ok"):
-            r["vs_hf"] = r["seq_per_s"] / hf["seq_per_s"]
-            r["scaling_efficiency"] = r["seq_per_s"] / (n * one) if one else None
-        res[f"fastbert_pretrain_{key}"] = r
-        print(f"fastbert pretrain academic-budget-large on {n} GPUs:",
-              {k: v for k, v in r.items() if k != "windows"}, flush=True)
-        save(args, res)
+        r = recipe(f"large_gpus{n}", accum, hf, steps, gpus=n)
+        if r.get("ok") and one:
+            r["scaling_efficiency"] = r["seq_per_s"] / (n * one)
+            save(args, res)
 
 
 def make_random_checkpoint(vocab_dir: Path, out: Path) -> Path:

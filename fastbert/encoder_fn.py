@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Callable, NamedTuple, Union
 
 import torch
-import torch.nn.functional as F
 
 from fastbert.ops.fp8 import fp8_ffn, fp8_linear
 from fastbert.padding_rows import Rows, attention_maps_or_packed, with_padding_rows
@@ -73,14 +72,14 @@ def layer(ops, x, w: LayerWeights, cu_seqlens, max_seqlen: int, rows: Rows | Non
           prenorm: bool = False, output_attentions: bool = False, normed: torch.Tensor | None = None,
           next_norm: LayerNormWeights | None = None):
     """One encoder layer on ``x`` ``(rows, hidden)``: Post-LN (original BERT) or Pre-LN. Returns the new
-    x, the attention maps (``attention_maps_or_packed``'s) when ``output_attentions`` else None, and (Pre-LN
-    with ``next_norm``) the new x normalized by ``next_norm``, else None.
+    x, the attention maps (``attention_maps_or_packed``'s) when ``output_attentions`` else None, and (Pre-LN)
+    the new x normalized by ``next_norm``, else None.
 
     Pre-LN chains its LayerNorms into the residual adds: ``normed`` is x already normalized by this layer's
-    first LayerNorm (the previous layer's last op made it; None: normalized here), and ``next_norm`` is the
-    LayerNorm that follows the layer (the next layer's first, or the encoder's final one), applied by the op
-    that adds the FFN's output to the residual stream (bias, dropout, add and LayerNorm in one pass, both
-    the sum and its normalization out). Without ``next_norm`` the layer ends with that addition alone."""
+    first LayerNorm (the previous layer's last op made it; None: normalized here), and ``next_norm`` (required)
+    is the LayerNorm that follows the layer (the next layer's first, or the encoder's final one), applied by
+    the op that adds the FFN's output to the residual stream (bias, dropout, add and LayerNorm in one pass,
+    both the sum and its normalization out)."""
     nh = w.num_heads
     hd = w.qkv_weight.shape[0] // (3 * nh)  # spelled out: a batch may have no tokens at all
 
@@ -134,14 +133,13 @@ def layer(ops, x, w: LayerWeights, cu_seqlens, max_seqlen: int, rows: Rows | Non
         y, x = ffn(x)
         x = add_norm(y, x, w.output_norm, w.output_bias, dropout.output)
         return x, probs, None
+    if next_norm is None:
+        raise ValueError("encoder_fn.layer: a Pre-LN layer needs next_norm, the LayerNorm that follows it")
     if normed is None:
         norm = w.attention_norm
         normed = ops.dropout_add_layer_norm(x, None, norm.weight, norm.bias, norm.eps)
     y, probs, _ = attention(normed)
     h, x = add_norm(y, x, w.output_norm, w.attention_out_bias, dropout.attention_output, also_sum=True)
-    y = ffn(h)[0]  # Pre-LN: the FFN's output joins the residual stream un-normalized
-    if next_norm is not None:
-        normed, x = add_norm(y, x, next_norm, w.output_bias, dropout.output, also_sum=True)
-        return x, probs, normed
-    y, p = y + w.output_bias, dropout.output
-    return x + (F.dropout(y, p, training=True) if p > 0 else y), probs, None
+    # Pre-LN: the FFN's output joins the residual stream un-normalized; the sum is normalized for what follows
+    normed, x = add_norm(ffn(h)[0], x, next_norm, w.output_bias, dropout.output, also_sum=True)
+    return x, probs, normed

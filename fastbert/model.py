@@ -175,10 +175,7 @@ class BertEncoder(nn.Module):
             if output_attentions:
                 attentions.append(probs)
         if self.final_layer_norm is not None:
-            if normed is None:  # no layers
-                ln = self.final_layer_norm
-                normed = ops.dropout_add_layer_norm(x, None, ln.weight, ln.bias, self.config.layer_norm_eps)
-            x = normed
+            x = normed  # the last layer's sum through the final LayerNorm
             if output_hidden_states:
                 hidden_states[-1] = x
         return x, hidden_states, attentions

@@ -76,11 +76,6 @@ def read_records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-# HF BertConfig sizes of fastbert's presets the bare loop compares (the rest as BertConfig's defaults = base)
-HF_SIZES = {"base": {}, "large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
-                                      intermediate_size=4096)}
-
-
 def hf_baseline(data: Path, micro: int, steps: int = 20, warmup: int = 5, which: str = "hf", preset: str = "base",
                 accum: int = 1) -> dict:
     """A bare loop (no DeepSpeed, no loader thread): bf16 autocast over fp32 weights, fused torch AdamW,
@@ -93,6 +88,7 @@ def hf_baseline(data: Path, micro: int, steps: int = 20, warmup: int = 5, which:
     are micro-batches, rounded up to whole steps."""
     import torch
     import transformers
+    import fastbert
     from fastbert.data.masking import collator_for
     from fastbert.data.pretrain_dataset import GlobalOrder, PretrainData
 
@@ -102,13 +98,13 @@ def hf_baseline(data: Path, micro: int, steps: int = 20, warmup: int = 5, which:
     steps, warmup = (-(-n // accum) * accum for n in (steps, warmup))
     order = GlobalOrder(len(train), micro, seed=42)
     collator = collator_for(data, seed=0, device=dev)
-    if which == "hf":
-        cfg = transformers.BertConfig(vocab_size=train.index["vocab_size"], attn_implementation="sdpa",
-                                      **HF_SIZES[preset])
-        model = (transformers.BertForPreTraining if nsp else transformers.BertForMaskedLM)(cfg).to(dev).train()
+    cfg = fastbert.BertConfig.preset(preset, vocab_size=train.index["vocab_size"], kernels="triton")
+    if which == "hf":  # the preset's sizes in HF's config
+        d = cfg.to_dict()
+        d.pop("fastbert_prenorm")
+        hf_cfg = transformers.BertConfig(**d, attn_implementation="sdpa")
+        model = (transformers.BertForPreTraining if nsp else transformers.BertForMaskedLM)(hf_cfg).to(dev).train()
     else:
-        import fastbert
-        cfg = fastbert.BertConfig.preset(preset, vocab_size=train.index["vocab_size"], kernels="triton")
         model = (fastbert.BertForPreTraining if nsp else fastbert.BertForMaskedLM)(cfg).to(dev).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     batches = []

@@ -78,8 +78,7 @@ def static_inputs(batch: dict, collator, device, span: int = 1) -> dict:
                                                     b["attention_mask"].view(rows // span, span * seq_len))
     packed = {"input_ids": ids.view(rows, seq_len), "token_type_ids": b["token_type_ids"],
               "position_ids": b["position_ids"], "cu_seqlens": b["cu_seqlens"], "max_seqlen": seq_len,
-              "mlm_positions": positions,
-              "mlm_targets": targets}
+              "mlm_positions": positions, "mlm_targets": targets}
     if "next_sentence_label" in b:
         packed["cls_positions"] = b["cls_positions"]
         packed["next_sentence_label"] = b["next_sentence_label"]
