@@ -6,6 +6,10 @@ The tokenizer's Unicode tables are generated first (csrc/tokenizer/gen_unicode.p
 Python's unicodedata) into the git-ignored csrc/tokenizer/generated/. `fastbert._wordpiece_cuda` (the GPU
 tokenizer, csrc/cuda) is built only when nvcc and a CUDA build of torch are present (FASTBERT_CUDA=0
 skips it; FASTBERT_CUDA_ARCH="80;90" picks the GPU architectures, default: the visible GPU's).
+`fastbert/_gemm_sm90*.so` (the FFN's GEMMs with the exact GELU in their epilogues on Hopper, csrc/gemm_sm90, a plain
+C library that fastbert/ops/gemm_sm90.py loads with ctypes) is built as well when 90 is among those architectures
+and CUTLASS's headers are found: $CUTLASS_PATH/include, else the `nvidia-cutlass` package's (pip install
+nvidia-cutlass); ~2 minutes of nvcc on 2 cores.
 """
 import os
 import re
@@ -69,9 +73,33 @@ def cuda_extension():
     return ext, None
 
 
+def cutlass_include():
+    """CUTLASS's include folder ($CUTLASS_PATH/include, else the nvidia-cutlass package's), or None."""
+    if os.environ.get("CUTLASS_PATH"):
+        return Path(os.environ["CUTLASS_PATH"]) / "include"
+    import importlib.util
+    spec = importlib.util.find_spec("cutlass_library")  # located, not imported
+    if spec is None or spec.origin is None:
+        return None
+    folder = Path(spec.origin).parent / "source" / "include"
+    return folder if (folder / "cutlass" / "cutlass.h").exists() else None
+
+
 ext, why_not = cuda_extension()
 if ext is not None:
     ext_modules.append(ext)
+    include = cutlass_include()
+    if "90" not in ext.cuda_arch:
+        print(f"fastbert: not building fastbert/_gemm_sm90.so: sm_90 is not among {ext.cuda_arch}", file=sys.stderr)
+    elif include is None:
+        print("fastbert: not building fastbert/_gemm_sm90.so: CUTLASS's headers not found (pip install "
+              "nvidia-cutlass, or set CUTLASS_PATH)", file=sys.stderr)
+    else:
+        sm90 = Pybind11Extension("fastbert._gemm_sm90", [])
+        sm90.nvcc, sm90.cuda_arch = ext.nvcc, ["90a"]  # no Python module inside: ops/gemm_sm90.py loads it with ctypes
+        sm90.cuda_sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "gemm_sm90").glob("*.cu"))
+        sm90.cuda_flags = [f"-I{include}", "-DNDEBUG"]
+        ext_modules.append(sm90)
 else:
     print(f"fastbert: not building the CUDA tokenizer (fastbert._wordpiece_cuda): {why_not}", file=sys.stderr)
 
@@ -92,7 +120,7 @@ class BuildExt(build_ext):
         gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ext.cuda_arch]
         subprocess.run([ext.nvcc, *ext.cuda_sources, "-o", target, "-shared", "-std=c++17", "-O3",
                         "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC", f"-I{pybind11.get_include()}",
-                        f"-I{sysconfig.get_paths()['include']}", *gencode], check=True)
+                        f"-I{sysconfig.get_paths()['include']}", *getattr(ext, "cuda_flags", []), *gencode], check=True)
 
 
 setup(version=VERSION, ext_modules=ext_modules, cmdclass={"build_ext": BuildExt})

@@ -21,6 +21,11 @@ Contenders per op:
   mlm   MLM head + loss at batch 128 x seq 128, 15% masked, vocab 30522: fastbert sparse fused |
         HF BertOnlyMLMHead on every token + CrossEntropyLoss (dense) | the same compiled |
         fastbert's sparse torch reference
+  sm90  the FFN's GELU GEMMs with the exact GELU in CUTLASS sm_90a epilogues (ops/gemm_sm90.py), each launch shape:
+        up-projection z = x W1^T + b1, y = gelu(z); the down-projection's input gradient dz = (d W2) * gelu'(z)
+        with d(b1) |
+        what runs without them (cuBLAS GEMM, then fastbert's Triton GELU / GELU' + d(bias) pass) | the cuBLAS GEMM
+        alone; and the FFN block forward + backward both ways. BERT-large rows at TOKENS / 2 (the b128 step's)
   fp8   the encoder's four linears: bf16 cuBLAS (autocast F.linear) | fastbert FP8 linear (delayed-scaling
         casts + _scaled_mm), forward + backward; the cast alone (bytes: read 2, write 2 x 1 per element)
         and the FP8 GEMM alone beside the bf16 GEMM
@@ -270,6 +275,80 @@ def bench_block(k, compile_):
         record("block", shape, mode, "fastbert", t, p, flops=flops, eager_ms=t_e)
 
 
+# ----------------------------------------------------------------------------- FFN GEMMs with GELU epilogues (sm_90)
+def _gelu_grad_ref(z):
+    return 0.5 * (1.0 + torch.erf(z * 0.5 ** 0.5)) + z * torch.exp(-0.5 * z * z) * (2 * torch.pi) ** -0.5
+
+
+def _sm90_checks(gemm_sm90, m, k, n, g, tag):
+    """Every launch shape's z, y and dz against float64, beside torch's bf16 error on the same inputs."""
+    x, w, b = randn(m, k, g=g), randn(n, k, g=g, scale=k ** -0.5), randn(n, g=g, scale=0.1)
+    d, w2 = randn(m, k, g=g), randn(k, n, g=g, scale=n ** -0.5)
+    z_ref = F.linear(x.double(), w.double(), b.double())
+    z_t = F.linear(x, w, b)
+    dz_ref = (d.double() @ w2.double()) * _gelu_grad_ref(z_t.double())
+    dz_t = ((d @ w2).float() * _gelu_grad_ref(z_t.float())).to(DT)
+    for v in range(gemm_sm90.variants()):
+        gemm_sm90.VARIANT.update(bias_gelu=v, dgelu=v)
+        y, z = gemm_sm90.bias_gelu(x, w, b)
+        check(f"sm90 v{v} {tag} z", z, z_t, z_ref)
+        check(f"sm90 v{v} {tag} y", y, F.gelu(z_t), F.gelu(z_ref))
+        dz, db = gemm_sm90.dgelu(d, w2, z_t)
+        check(f"sm90 v{v} {tag} dz", dz, dz_t, dz_ref)
+        check(f"sm90 v{v} {tag} dbias", db, dz_t.float().sum(0), dz_ref.sum(0))
+
+
+def bench_sm90(k, compile_):
+    from fastbert.ops import gemm_sm90
+    from fastbert.ops.ffn import gelu_bwd, linear_bias_gelu_fwd
+    why = gemm_sm90.ready() if DEV == "cuda" else "no GPU"
+    if why:
+        print(f"sm90: skipped ({why})", flush=True)
+        return
+    default = dict(gemm_sm90.VARIANT)
+    g = gen(9)
+    m, n = (TOKENS // 2 if k >= 1024 else TOKENS), 4 * k
+    _sm90_checks(gemm_sm90, 1000, k, n, g, f"1000x{k}->{n}")  # a partial last row tile
+    _sm90_checks(gemm_sm90, 96, 40, 72, g, "96x40->72")        # partial K and N tiles
+    _sm90_checks(gemm_sm90, m, k, n, g, f"{m}x{k}->{n}")
+    x, w, b = randn(m, k, g=g), randn(n, k, g=g, scale=k ** -0.5), randn(n, g=g, scale=0.1)
+    d, w2 = randn(m, k, g=g), randn(k, n, g=g, scale=n ** -0.5)
+    z = F.linear(x, w, b)
+    flops = 2 * m * n * k
+    shape = f"{m}x{k}->{n}"
+    gemm_sm90.ENABLED = False
+    t_g, p = timed(lambda: F.linear(x, w, b))
+    record("sm90", shape, "up-projection fwd", "cuBLAS GEMM+bias alone", t_g, p, flops=flops)
+    t_e, p = timed(lambda: linear_bias_gelu_fwd(x, w, b, "none", True))
+    record("sm90", shape, "up-projection fwd", "cuBLAS + Triton GELU (without sm90)", t_e, p, flops=flops, eager_ms=t_e)
+    gemm_sm90.ENABLED = True
+    for v in range(gemm_sm90.variants()):
+        gemm_sm90.VARIANT["bias_gelu"] = v
+        t, p = timed(lambda: gemm_sm90.bias_gelu(x, w, b))
+        record("sm90", shape, "up-projection fwd", f"sm90 bias+GELU v{v}", t, p, flops=flops, eager_ms=t_e)
+    gemm_sm90.ENABLED = False
+    t_g, p = timed(lambda: d @ w2)
+    record("sm90", shape, "down-projection dgrad", "cuBLAS GEMM alone", t_g, p, flops=flops)
+    t_e, p = timed(lambda: gelu_bwd(d @ w2, z, "none"))
+    record("sm90", shape, "down-projection dgrad", "cuBLAS + Triton GELU' + d(bias) (without sm90)", t_e, p,
+           flops=flops, eager_ms=t_e)
+    gemm_sm90.ENABLED = True
+    for v in range(gemm_sm90.variants()):
+        gemm_sm90.VARIANT["dgelu"] = v
+        t, p = timed(lambda: gemm_sm90.dgelu(d, w2, z))
+        record("sm90", shape, "down-projection dgrad", f"sm90 dGELU + d(bias) v{v}", t, p, flops=flops,
+               eager_ms=t_e)
+    gemm_sm90.VARIANT.update(default)
+    ins = leaves((x, w, b, w2))  # ffn's w2 is (hidden, intermediate), as here
+    dy = randn(m, k, g=g)
+    for enabled in (False, True):
+        gemm_sm90.ENABLED = enabled
+        t, p = timed(grad_fn(lambda: ffn(*ins), ins, [dy]))
+        record("sm90", f"{m}x{k}->{n}->{k}", "FFN block fwd+bwd", "with sm90" if enabled else "without sm90", t, p,
+               flops=3 * 2 * flops)
+    gemm_sm90.ENABLED = True
+
+
 # ----------------------------------------------------------------------------- FP8 linears
 def bench_fp8(h, compile_):
     """The encoder's four linears at hidden ``h`` (QKV h->3h, attention output h->h, up h->4h, down 4h->h):
@@ -445,7 +524,7 @@ def bench_mlm(h, compile_):
 # ----------------------------------------------------------------------------- main
 def print_table():
     cols = ["op", "shape", "mode", "impl", "ms", "TB/s", "TFLOP/s", "speedup_vs_eager", "peak_mib"]
-    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in ROWS)) for c in cols}
+    widths = {c: max([len(c), *(len(str(r.get(c, ""))) for r in ROWS)]) for c in cols}
     print("\n" + "  ".join(c.ljust(widths[c]) for c in cols))
     for r in ROWS:
         print("  ".join(str(r.get(c, "")).ljust(widths[c]) for c in cols))
@@ -455,8 +534,8 @@ def print_table():
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ops", default="ln,ffn,block,emb,mlm,fp8",
-                    help="comma-separated subset of ln,ffn,block,emb,mlm,fp8")
+    ap.add_argument("--ops", default="ln,ffn,block,emb,mlm,fp8,sm90",
+                    help="comma-separated subset of ln,ffn,block,emb,mlm,fp8,sm90")
     ap.add_argument("--hidden", default=",".join(map(str, HIDDENS)), help="hidden sizes to sweep")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile contenders")
     ap.add_argument("--timing", choices=("graph", "eager"), default="graph",
@@ -484,7 +563,7 @@ def main(argv=None):
     import triton
     print(f"triton {triton.__version__}", flush=True)
     benches = {"ln": bench_ln, "ffn": bench_ffn, "block": bench_block, "emb": bench_emb, "mlm": bench_mlm,
-               "fp8": bench_fp8}
+               "fp8": bench_fp8, "sm90": bench_sm90}
     for op in args.ops.split(","):
         for h in map(int, args.hidden.split(",")):
             compile_here = not args.no_compile and (

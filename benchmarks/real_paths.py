@@ -12,7 +12,8 @@
 ``fastbert prepare --nsp --seq-len 128``): HF ``BertForPreTraining`` (SDPA) in a bare loop (bf16
 autocast, fused AdamW) and fastbert's model in the same bare loop (the model alone), then the real
 ``fastbert pretrain`` command (DeepSpeed, loader, device masking, guard, logging) for each variant
-in ``--variants`` (ZeRO stage, packing, guard). sequences/s count real sequences (several share a
+in ``--variants`` (ZeRO stage, packing, guard; ``no-sm90``: the FFN's GELU as passes of their own, not inside the
+sm_90 GEMMs, through ``FASTBERT_GEMM_SM90=0``). sequences/s count real sequences (several share a
 row when fastbert packs), so every line measures the same data consumed per second.
 
 ``finetune``: ``fastbert finetune --task sst2`` beside HF ``Trainer`` (SDPA, bf16,
@@ -26,7 +27,7 @@ fb-pretrain), both final models evaluated on the same held-out batches and masks
 
 ``large``: BERT-large through ``configs/academic-budget-large.json`` (MLM_DIR from ``fastbert prepare
 --seq-len 128``), without and with the recipe's gradient accumulation, beside HF's bare loop at the same
-sizes, micro batch and accumulation.
+sizes, micro batch and accumulation; ``--large-variants`` from the same table as ``--variants``.
 
 Writes ``OUT/real_paths_<card>.json`` (every figure, with the card) and prints the table last.
 """
@@ -56,7 +57,9 @@ VARIANTS = {  # name: extra `fastbert pretrain` overrides
     "eager": ["train.cuda_graphs=false"],
     "span1": ["data.pack_span=1"],                     # one row a packing bin (the layout before spans)
     "fp8": ["train.precision=fp8"],
+    "no-sm90": [],                                     # the FFN without the sm_90 GELU GEMMs (VARIANT_ENV)
 }
+VARIANT_ENV = {"no-sm90": {"FASTBERT_GEMM_SM90": "0"}}  # name: environment set for the command
 FT_VARIANTS = {  # name: extra `fastbert finetune` flags
     "default": [],                                          # token-bucketed batches, CUDA graphs
     "eager": ["--no-cuda-graphs"],                          # the same batches, every step eager
@@ -70,7 +73,7 @@ BENCH_OVERRIDES = ["log.every_steps=5", "eval.every_steps=null", "eval.every_min
 
 
 def pretrain_command(out: Path, data: Path, steps: int, micro: int, extra, log: Path, gpus: int = 1,
-                     config: str = "configs/base.json", skip: int = 10) -> dict:
+                     config: str = "configs/base.json", skip: int = 10, env: dict | None = None) -> dict:
     """``fastbert pretrain --config CONFIG`` for ``steps`` optimizer steps; its throughput is the median of the
     logged windows after step ``skip``. With ``configs/base.json`` the micro batch, bf16 and an AdamW recipe are
     set here (the variants' ``extra`` on top); another config keeps its own recipe but for ``extra``."""
@@ -83,7 +86,7 @@ def pretrain_command(out: Path, data: Path, steps: int, micro: int, extra, log: 
     cmd = [*launcher, "-m", "fastbert.commands.pretrain", "--config", config, f"output_dir={out}", f"data.dir={data}",
            "data.auto_prepare=false", f"train.max_steps={steps}", *recipe, *BENCH_OVERRIDES, *extra]
     from gpu_pretrain_check import read_records, run_logged
-    ok, wall = run_logged(cmd, log)
+    ok, wall = run_logged(cmd, log, env)
     if not ok:
         return {"ok": False, "wall_s": wall}
     recs = read_records(out)
@@ -111,7 +114,8 @@ def part_pretrain(args, res: dict) -> None:
         res["fastbert_bare_loop"] = hf_baseline(data, args.micro, steps=20, which="fastbert")
         print("fastbert model, bare loop:", res["fastbert_bare_loop"], flush=True)
     for name in filter(None, args.variants.split(",")):
-        r = pretrain_command(out / f"pt_{name}", data, args.steps, args.micro, VARIANTS[name], out / f"log_pt_{name}.txt")
+        r = pretrain_command(out / f"pt_{name}", data, args.steps, args.micro, VARIANTS[name], out / f"log_pt_{name}.txt",
+                             env=VARIANT_ENV.get(name))
         res[f"fastbert_pretrain_{name}"] = r
         print(f"fastbert pretrain {name}:", {k: v for k, v in r.items() if k != "windows"}, flush=True)
         save(args, res)
@@ -140,11 +144,11 @@ def part_large(args, res: dict) -> None:
     from gpu_pretrain_check import hf_baseline
     data, out = Path(args.large_data), Path(args.out)
 
-    def recipe(key: str, accum: int, hf: dict, steps: int, extra=(), gpus: int = 1) -> dict:
+    def recipe(key: str, accum: int, hf: dict, steps: int, extra=(), gpus: int = 1, env=None) -> dict:
         r = pretrain_command(out / f"pt_{key}", data, steps, args.micro,
                              [f"train.global_batch_size={args.micro * accum}", "log.every_steps=3", *extra],
                              out / f"log_pt_{key}.txt", gpus=gpus, config="configs/academic-budget-large.json",
-                             skip=steps // 3)
+                             skip=steps // 3, env=env)
         r["vs_hf"] = r["seq_per_s"] / hf["seq_per_s"] if r.get("ok") else None
         res[f"fastbert_pretrain_{key}"] = r
         print(f"fastbert pretrain academic-budget-large, {key}:", {k: v for k, v in r.items() if k != "windows"},
@@ -159,7 +163,7 @@ def part_large(args, res: dict) -> None:
         steps = max(30 // accum, 6) * 3      # logged windows of 3 steps; the first third is warm-up
         for name in filter(None, args.large_variants.split(",")):
             recipe(f"large_accum{accum}" + ("" if name == "default" else f"_{name}"), accum, hf, steps,
-                   VARIANTS[name])
+                   VARIANTS[name], env=VARIANT_ENV.get(name))
     one = res.get(f"fastbert_pretrain_large_accum{accum}", {}).get("seq_per_s")
     for n in (int(g) for g in args.large_gpus.split(",") if g and int(g) > 1):
         # the recipe's global batch on n GPUs: the last accumulation's global batch, accumulation / n each

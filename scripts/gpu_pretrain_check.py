@@ -58,10 +58,10 @@ def launch(out: Path, data: Path, nproc: int, zero: int, steps: int, micro: int,
             "resumed": [r for r in recs if r["event"] == "resume"]}
 
 
-def run_logged(cmd, log: Path) -> tuple[bool, float]:
-    """Run ``cmd`` in the repository, its output to ``log``: (succeeded, seconds). A failure prints the
-    log's end."""
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
+def run_logged(cmd, log: Path, env: dict | None = None) -> tuple[bool, float]:
+    """Run ``cmd`` in the repository (``env``: variables set on top of this process's), its output to ``log``:
+    (succeeded, seconds). A failure prints the log's end."""
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1", **(env or {}))
     t0 = time.time()
     with open(log, "w") as f:
         rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode

@@ -4,9 +4,10 @@
 # changed: its `pip freeze` is the same before and after.
 #   A CUDA torch already installed in that interpreter is kept: the venv is then made with
 #   --system-site-packages, so it sees (and uses) that torch and installs nothing over it; otherwise the
-#   venv is isolated and gets torch 2.13.0 (CPU). Then the rest, the package itself (builds the C++
-#   extensions), the MiniLM checkpoint, DeepSpeed last (its build imports torch, and it ships a `cpuinfo`
-#   module that must win over pytest-benchmark's), and, without CUDA, DeepSpeed's CPU communication op
+#   venv is isolated and gets torch 2.13.0 (CPU). Then the rest (with a CUDA torch and nvcc also CUTLASS's
+#   headers, for the FFN's sm_90 GEMMs), the package itself (builds the C++ extensions), the MiniLM
+#   checkpoint, DeepSpeed last (its build imports torch, and it ships a `cpuinfo` module that must win over
+#   pytest-benchmark's), and, without CUDA, DeepSpeed's CPU communication op
 #   prebuilt into .torch_extensions/ (else the first pretraining run would build it, ~1 min).
 # Re-runs are fast: nothing is reinstalled or rebuilt while the inputs that matter (this script, setup.py,
 # pyproject.toml, csrc/, the version) are unchanged (stamp: .venv/.fastbert-install).
@@ -60,6 +61,11 @@ else
   "${PIP[@]}" "numpy>=1.24" "safetensors>=0.4" "tqdm>=4.60" "pybind11>=2.10" setuptools wheel ninja \
     "triton>=3.0" "transformers>=4.40" "tokenizers>=0.15" "tensorboard>=2.10" "matplotlib>=3.6" \
     "scipy>=1.10" "scikit-learn>=1.2" "pytest>=7" "hypothesis>=6" "pytest-benchmark>=4" hjson
+  if "$PY" -c 'import sys, torch; sys.exit(torch.version.cuda is None)' >/dev/null 2>&1 && ! have cutlass_library &&
+     { command -v nvcc >/dev/null 2>&1 || [ -n "${CUDA_HOME:-}" ]; }; then
+    echo "[install] CUTLASS's headers (nvidia-cutlass, 6 MB): setup.py builds the FFN's sm_90 GEMMs with them"
+    "${PIP[@]}" --no-deps nvidia-cutlass==4.2.0.0
+  fi
   if [ "${FASTBERT_SKIP_BUILD:-0}" = 1 ]; then
     echo "[install] FASTBERT_SKIP_BUILD=1: using the fastbert already importable (extensions built in place)"
   else

@@ -28,12 +28,13 @@ def ffn_ref(x, w1, b1, w2, approximate="none", residual=False):
 # d(bias); dgrad / wgrad are cuBLAS matmuls. With the tanh GELU on 16-bit CUDA operands, cuBLASLt's
 # epilogues (ops/cublaslt.py) do both GELU passes inside GEMMs instead: the up-projection applies bias +
 # GELU and keeps the pre-activation; in :func:`ffn`'s backward, the down-projection's input-gradient GEMM
-# multiplies by GELU's derivative. A Triton GEMM with bias + GELU in its epilogue was
+# multiplies by GELU's derivative. With the exact GELU on bf16 operands on an sm_90 GPU, CUTLASS's warp-
+# specialized kernels (ops/gemm_sm90.py) do the same. A Triton GEMM with bias + GELU in its epilogue was
 # this file's forward until the fifth session: on an H100 it ran at 0.84-0.94x cuBLAS + a separate GELU
 # (`benchmarks/bench_ops.py --ops ffn`, benchmarks/RESULTS.md), so it is gone.
 import torch  # noqa: E402
 
-from fastbert.ops import cublaslt  # noqa: E402
+from fastbert.ops import cublaslt, gemm_sm90  # noqa: E402
 from fastbert.ops._common import (  # noqa: E402
     autocast_dtype, autocast_inputs, check_triton_device, num_sms, register_op, sum_partials, tl, triton)
 from fastbert.ops.linear import bias_grad, linear_grads, wgrad  # noqa: E402
@@ -156,6 +157,8 @@ def linear_bias_gelu_fwd(x, weight, bias, approximate, store_pre):
     out_shape = (*x.shape[:-1], n)
     x2 = x.reshape(-1, x.shape[-1])
     lt = _lt_fwd(x2, weight, bias, store_pre) if approximate == "tanh" else None
+    if lt is None and approximate == "none" and store_pre and gemm_sm90.eligible(x2, weight, bias):
+        lt = gemm_sm90.bias_gelu(x2, weight, bias)
     if lt is not None:
         y, z = lt
         return y.view(out_shape), z.view(out_shape) if store_pre else y.new_empty((0,))
@@ -278,16 +281,18 @@ def ffn_fwd(x, w1, b1, w2, approximate, store_pre):
 def ffn_bwd(dout, dres, x, w1, b1, w2, y, z, approximate, wdtype):
     """``(dx, dw1, db1, dw2)``, the parameters' in ``wdtype`` (``linear.py``); db1 is empty when ``b1`` is None.
     ``dres``: the gradient that reached x through the residual connection (or None), added to dx inside its
-    GEMM. With the tanh GELU on eligible operands
-    the down-projection's input-gradient GEMM applies GELU's derivative in its epilogue (cuBLASLt) and
-    d(b1) is one reduction; otherwise that GEMM, then :func:`gelu_bwd` (which reduces d(b1) too).
-    cuBLASLt's own d(bias) epilogue here runs as a separate 0.6 ms kernel on an H100, so it is not used."""
+    GEMM. On eligible operands the down-projection's input-gradient GEMM applies GELU's derivative in its
+    epilogue: the tanh GELU through cuBLASLt, then d(b1) as one reduction; the exact one through ops/gemm_sm90.py,
+    whose epilogue sums d(b1) too. Otherwise that GEMM, then :func:`gelu_bwd` (which reduces d(b1) too). cuBLASLt's own d(bias) epilogue here runs as a
+    separate 0.6 ms kernel on an H100, so it is not used."""
     d2 = dout.reshape(-1, w2.shape[0])  # (M, hidden)
     dw2 = wgrad(d2, y, wdtype)          # (hidden, M) @ (M, intermediate)
     dz = None
     if approximate == "tanh" and cublaslt.eligible(d2, w2, z):
         dz = cublaslt.gemm(d2, w2, "dgelu", aux=z)
         db = bias_grad(dz, wdtype) if dz is not None and b1 is not None else None
+    elif approximate == "none" and gemm_sm90.eligible(d2, w2, z):
+        dz, db = gemm_sm90.dgelu(d2, w2, z)
     if dz is None:
         dz, db = gelu_bwd(d2 @ w2, z, approximate)
     dx, dw1 = linear_grads(dz, x, w1, dres, wdtype)

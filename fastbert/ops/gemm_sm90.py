@@ -1,0 +1,131 @@
+"""The FFN's GEMMs with the exact (erf) GELU in their epilogues on Hopper: ``fastbert/_gemm_sm90*.so``, built from
+``csrc/gemm_sm90/gemm_gelu.cu`` (CUTLASS 3's warp-specialized sm_90a kernels) when setup.py finds nvcc and the
+CUTLASS headers, called through ctypes with torch's pointers and current stream.
+
+* :func:`bias_gelu`: ``(y, z)`` with ``z = x @ w.T + bias`` and ``y = gelu(z)``, one kernel;
+* :func:`dgelu`: ``dz = (d @ w2) * gelu'(z)`` and d(bias), dz's column sums: one kernel writing one fp32 row of
+  partial sums a tile row, then torch's sum of those rows (a few KB).
+
+cuBLASLt's GELU epilogues are the tanh formula (ops/cublaslt.py), and a Triton 3.6 GEMM cannot hide an epilogue
+behind the next tile's MMA on sm_90 (no warp specialization there): both measured in benchmarks/RESULTS.md.
+Where the library is missing, the GPU is not an sm_90 one, or the operands do not fit its rules (bf16, CUDA,
+contiguous, 16-byte aligned, sizes multiples of 8), :func:`eligible` says False and ops/ffn.py keeps cuBLAS + a
+Triton GELU pass. The epilogues compute in fp32, erf by Abramowitz & Stegun 7.1.26 as ops/ffn.py's ``_erf_fast``
+(|error| <= 1.5e-7, far below a bf16 rounding step; libdevice's ``erff`` took twice the instructions, and the
+epilogue's arithmetic is what these kernels wait on); ``tests/ops/test_gemm_sm90.py`` compares them with float64
+on the card.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+# The launch shape each function uses (the .cu file lists them); the fastest of `benchmarks/bench_ops.py --ops sm90`
+# on an H100 at BERT-large and BERT-base sizes (benchmarks/RESULTS.md, fifteenth session).
+VARIANT = {"bias_gelu": 2, "dgelu": 0}
+# FASTBERT_GEMM_SM90=0 keeps cuBLAS + the GELU passes (benchmarks compare both; the switch is read per call).
+ENABLED = os.environ.get("FASTBERT_GEMM_SM90", "") != "0"
+
+_LIB: dict = {}
+
+
+def library_path() -> Path:
+    """Where the library is looked for: $FASTBERT_GEMM_SM90 if it names a file, else ``fastbert/_gemm_sm90*.so``
+    (setup.py's build)."""
+    env = os.environ.get("FASTBERT_GEMM_SM90", "")
+    if env not in ("", "0", "1"):
+        return Path(env)
+    package = Path(__file__).resolve().parent.parent
+    return next(iter(sorted(package.glob("_gemm_sm90*.so"))), package / "_gemm_sm90.so")
+
+
+def _lib():
+    if "lib" not in _LIB:
+        _LIB["lib"] = None
+        path = library_path()
+        if path.exists() and torch.cuda.is_available():
+            try:
+                lib = ctypes.CDLL(str(path))
+            except OSError as e:
+                warnings.warn(f"fastbert: {path} could not be loaded ({e}); the FFN keeps cuBLAS + a GELU pass",
+                              stacklevel=3)
+            else:
+                vp, i = ctypes.c_void_p, ctypes.c_int
+                lib.fb_sm90_bias_gelu.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, vp]
+                lib.fb_sm90_dgelu.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, vp]
+                lib.fb_sm90_tile_m.argtypes = lib.fb_sm90_tile_n.argtypes = [i]
+                for f in (lib.fb_sm90_bias_gelu, lib.fb_sm90_dgelu, lib.fb_sm90_variants, lib.fb_sm90_tile_m,
+                          lib.fb_sm90_tile_n):
+                    f.restype = i
+                _LIB["lib"] = lib
+    return _LIB["lib"]
+
+
+def eligible(*tensors) -> bool:
+    """Whether the library can take these operands: enabled and loaded, an sm_90 device, every tensor bf16 on it,
+    contiguous, not empty, 16-byte aligned, its last size a multiple of 8 (TMA's 16-byte strides; the row count
+    is free) and fewer than 2^31 elements."""
+    if not ENABLED or not tensors or any(t is None for t in tensors):
+        return False
+    dev = tensors[0].device
+    if dev.type != "cuda" or _lib() is None or torch.cuda.get_device_capability(dev) != (9, 0):
+        return False
+    for t in tensors:
+        if (t.device != dev or t.dtype != torch.bfloat16 or not t.is_contiguous() or t.numel() == 0
+                or t.numel() >= 2**31 or t.data_ptr() % 16 or t.shape[-1] % 8):
+            return False
+    return True
+
+
+def _check(status: int, what: str):
+    if status != 0:
+        raise RuntimeError(f"fastbert: the sm_90 GEMM {what} failed (status {status}: CUTLASS's Status + 1, 100 a "
+                           "workspace it was not built for, 200 a launch error, -1 an unknown variant)")
+
+
+def bias_gelu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> tuple:
+    """``(y, z)``, both ``(M, N)``: ``z = x @ w.T + bias``, ``y = gelu(z)``. x ``(M, K)``, w ``(N, K)``, bias ``(N,)``;
+    call :func:`eligible` first."""
+    (m, k), n = x.shape, w.shape[0]
+    y = x.new_empty((m, n))
+    z = torch.empty_like(y)
+    _check(_lib().fb_sm90_bias_gelu(x.data_ptr(), w.data_ptr(), bias.data_ptr(), z.data_ptr(), y.data_ptr(), m, n, k,
+                                    VARIANT["bias_gelu"], torch.cuda.current_stream(x.device).cuda_stream),
+           f"bias + GELU ({m} x {k} -> {n})")
+    return y, z
+
+
+def dgelu(d: torch.Tensor, w2: torch.Tensor, z: torch.Tensor) -> tuple:
+    """``(dz, dbias)``: ``dz = (d @ w2) * gelu'(z)`` ``(M, N)`` like z, dbias its fp32 column sums ``(N,)``; d
+    ``(M, K)``, w2 ``(K, N)``, z ``(M, N)``; call :func:`eligible` first."""
+    (m, k), n = d.shape, w2.shape[1]
+    lib, v = _lib(), VARIANT["dgelu"]
+    tile_m, tile_n = lib.fb_sm90_tile_m(v), lib.fb_sm90_tile_n(v)
+    dz = torch.empty_like(z)
+    partial = torch.empty((-(-m // tile_m), -(-n // tile_n) * tile_n), dtype=torch.float32, device=d.device)
+    _check(lib.fb_sm90_dgelu(d.data_ptr(), w2.data_ptr(), z.data_ptr(), dz.data_ptr(), partial.data_ptr(), m, n, k, v,
+                             torch.cuda.current_stream(d.device).cuda_stream),
+           f"GELU derivative ({m} x {k} -> {n})")
+    return dz, partial.sum(0)[:n]
+
+
+def variants() -> int:
+    """How many launch shapes the library offers (0 without it)."""
+    lib = _lib()
+    return lib.fb_sm90_variants() if lib is not None else 0
+
+
+def ready() -> Optional[str]:
+    """None when the library is enabled, loaded and the current device is an sm_90 one, else why not (for logs)."""
+    if not ENABLED:
+        return "FASTBERT_GEMM_SM90=0"
+    if _lib() is None:
+        return f"{library_path()} not built or not loadable (setup.py builds it with nvcc and CUTLASS's headers)"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return f"the GPU is sm_{''.join(map(str, torch.cuda.get_device_capability()))}, the kernels are sm_90a"
+    return None

@@ -1,0 +1,123 @@
+"""The FFN's GEMMs with the exact GELU in CUTLASS sm_90a epilogues (fastbert/ops/gemm_sm90.py).
+
+On the CPU: when the library is not eligible (CPU tensors, disabled, another dtype, a last size that is not a
+multiple of 8) nothing calls it and the FFN is unchanged. On an sm_90 GPU with the library built: every launch
+shape's z, y = gelu(z), dz = (d @ w2) * gelu'(z) and d(bias) against float64, within 1.5x the error torch's bf16 GEMM +
+F.gelu make on the same inputs (the kernels round z to bf16 once, as cuBLAS does, and apply GELU to the fp32
+accumulator, so their error is at most torch's; 1.5x leaves room for a different summation order) plus 2^-9 of
+the largest |value| (one bf16 rounding); the FFN's output and every gradient with and without the library; a
+CUDA graph replaying the kernels with new inputs.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastbert.ops import gemm_sm90
+from fastbert.ops.ffn import ffn, ffn_ref
+
+
+def gelu_grad(z):
+    return 0.5 * (1.0 + torch.erf(z * 0.5 ** 0.5)) + z * torch.exp(-0.5 * z * z) * (2 * torch.pi) ** -0.5
+
+
+def close(out, torch_out, ref):
+    ref = ref.double()
+    err = (out.double() - ref).abs().max().item()
+    err_torch = (torch_out.double() - ref).abs().max().item()
+    assert err <= 1.5 * err_torch + 2 ** -9 * ref.abs().max().item(), (err, err_torch)
+
+
+def test_not_eligible_on_the_cpu_or_when_disabled(monkeypatch):
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    assert not gemm_sm90.eligible(x, x)
+    assert not gemm_sm90.eligible()
+    assert not gemm_sm90.eligible(x, None)
+    monkeypatch.setattr(gemm_sm90, "ENABLED", False)
+    assert not gemm_sm90.eligible(x, x)
+    assert gemm_sm90.ready() == "FASTBERT_GEMM_SM90=0"
+
+
+def test_library_path_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("FASTBERT_GEMM_SM90", str(tmp_path / "lib.so"))
+    assert gemm_sm90.library_path() == tmp_path / "lib.so"
+    monkeypatch.setenv("FASTBERT_GEMM_SM90", "0")  # "0" switches it off; it is not a path
+    assert gemm_sm90.library_path().name.startswith("_gemm_sm90")
+
+
+def _sm90():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    why = gemm_sm90.ready()
+    if why:
+        pytest.skip(why)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(1000, 1024, 4096), (96, 40, 72), (4096, 768, 3072)])
+def test_gpu_every_variant_matches_float64(m, k, n):
+    _sm90()
+    g = torch.Generator().manual_seed(m + k)
+    x = torch.randn(m, k, generator=g).to("cuda", torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) * k ** -0.5).to("cuda", torch.bfloat16)
+    b = (torch.randn(n, generator=g) * 0.1).to("cuda", torch.bfloat16)
+    d = torch.randn(m, k, generator=g).to("cuda", torch.bfloat16)
+    w2 = (torch.randn(k, n, generator=g) * n ** -0.5).to("cuda", torch.bfloat16)
+    z_ref = F.linear(x.double(), w.double(), b.double())
+    z_t = F.linear(x, w, b)
+    dz_ref = (d.double() @ w2.double()) * gelu_grad(z_t.double())
+    dz_t = ((d @ w2).float() * gelu_grad(z_t.float())).bfloat16()
+    default = dict(gemm_sm90.VARIANT)
+    try:
+        for v in range(gemm_sm90.variants()):
+            gemm_sm90.VARIANT.update(bias_gelu=v, dgelu=v)
+            y, z = gemm_sm90.bias_gelu(x, w, b)
+            close(z, z_t, z_ref)
+            close(y, F.gelu(z_t), F.gelu(z_ref))
+            dz, db = gemm_sm90.dgelu(d, w2, z_t)
+            close(dz, dz_t, dz_ref)
+            close(db, dz_t.float().sum(0), dz_ref.sum(0))
+    finally:
+        gemm_sm90.VARIANT.update(default)
+
+
+@pytest.mark.gpu
+def test_gpu_ffn_with_and_without_the_library(monkeypatch):
+    """The FFN's output and every gradient: with the library against float64 within the tolerance above, the
+    bf16 path without it as the torch-side error."""
+    _sm90()
+    g = torch.Generator().manual_seed(5)
+    m, k, n = 2048, 1024, 4096
+    base = [torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * k ** -0.5,
+            torch.randn(n, generator=g) * 0.1, torch.randn(k, n, generator=g) * n ** -0.5]
+    dy = torch.randn(m, k, generator=g).cuda()
+
+    def run(dtype, enabled):
+        monkeypatch.setattr(gemm_sm90, "ENABLED", enabled)
+        ins = [t.to("cuda", dtype).requires_grad_() for t in base]
+        out = (ffn if dtype != torch.float64 else ffn_ref)(*ins)
+        return [out, *torch.autograd.grad(out, ins, dy.to(dtype))]
+
+    ref = run(torch.float64, False)
+    without, with_ = run(torch.bfloat16, False), run(torch.bfloat16, True)
+    for a, b, r in zip(with_, without, ref):
+        close(a, b, r)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_capture_replays():
+    _sm90()
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16) * 0.05
+    b = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
+    gemm_sm90.bias_gelu(x, w, b)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        y, z = gemm_sm90.bias_gelu(x, w, b)
+    torch.cuda.current_stream().wait_stream(stream)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(z, F.linear(x, w, b), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(y, F.gelu(z.float()).bfloat16(), rtol=2e-2, atol=2e-2)
