@@ -114,8 +114,8 @@ def part_pretrain(args, res: dict) -> None:
         res["fastbert_bare_loop"] = hf_baseline(data, args.micro, steps=20, which="fastbert")
         print("fastbert model, bare loop:", res["fastbert_bare_loop"], flush=True)
     for name in filter(None, args.variants.split(",")):
-        r = pretrain_command(out / f"pt_{name}", data, args.steps, args.micro, VARIANTS[name], out / f"log_pt_{name}.txt",
-                             env=VARIANT_ENV.get(name))
+        r = pretrain_command(out / f"pt_{name}", data, args.steps, args.micro, VARIANTS[name],
+                             out / f"log_pt_{name}.txt", env=VARIANT_ENV.get(name))
         res[f"fastbert_pretrain_{name}"] = r
         print(f"fastbert pretrain {name}:", {k: v for k, v in r.items() if k != "windows"}, flush=True)
         save(args, res)

@@ -33,32 +33,28 @@ using namespace cute;
 
 namespace {
 
-CUTLASS_HOST_DEVICE float ex2_approx(float x) {
+// PTX's one-instruction approximations (flush-to-zero): the reciprocal (kRcp) or 2^x.
+template <bool kRcp>
+CUTLASS_HOST_DEVICE float ptx_approx(float x) {
 #if defined(__CUDA_ARCH__)
   float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  if constexpr (kRcp) {
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  } else {
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  }
   return y;
 #else
-  return exp2f(x);
-#endif
-}
-
-CUTLASS_HOST_DEVICE float rcp_approx(float x) {
-#if defined(__CUDA_ARCH__)
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-#else
-  return 1.0f / x;
+  return kRcp ? 1.0f / x : exp2f(x);
 #endif
 }
 
 // erf(x), and exp(-x^2) in `gauss` (fastbert/ops/ffn.py's _erf_fast, the same formula).
 CUTLASS_HOST_DEVICE float erf_fast(float x, float& gauss) {
-  float t = rcp_approx(fmaf(0.3275911f, fabsf(x), 1.0f));
+  float t = ptx_approx<true>(fmaf(0.3275911f, fabsf(x), 1.0f));
   float p = t * fmaf(t, fmaf(t, fmaf(t, fmaf(t, 1.061405429f, -1.453152027f), 1.421413741f), -0.284496736f),
                      0.254829592f);
-  gauss = ex2_approx(x * x * -1.4426950408889634f);
+  gauss = ptx_approx<false>(x * x * -1.4426950408889634f);
   return copysignf(1.0f - p * gauss, x);
 }
 

@@ -282,9 +282,9 @@ def ffn_bwd(dout, dres, x, w1, b1, w2, y, z, approximate, wdtype):
     """``(dx, dw1, db1, dw2)``, the parameters' in ``wdtype`` (``linear.py``); db1 is empty when ``b1`` is None.
     ``dres``: the gradient that reached x through the residual connection (or None), added to dx inside its
     GEMM. On eligible operands the down-projection's input-gradient GEMM applies GELU's derivative in its
-    epilogue: the tanh GELU through cuBLASLt, then d(b1) as one reduction; the exact one through ops/gemm_sm90.py,
-    whose epilogue sums d(b1) too. Otherwise that GEMM, then :func:`gelu_bwd` (which reduces d(b1) too). cuBLASLt's own d(bias) epilogue here runs as a
-    separate 0.6 ms kernel on an H100, so it is not used."""
+    epilogue: the tanh GELU through cuBLASLt, then d(b1) as one reduction (cuBLASLt's own d(bias) epilogue here
+    runs as a separate 0.6 ms kernel on an H100, so it is not used); the exact one through ops/gemm_sm90.py, whose
+    epilogue sums d(b1) too. Otherwise that GEMM, then :func:`gelu_bwd` (which reduces d(b1) too)."""
     d2 = dout.reshape(-1, w2.shape[0])  # (M, hidden)
     dw2 = wgrad(d2, y, wdtype)          # (hidden, M) @ (M, intermediate)
     dz = None
