@@ -31,3 +31,19 @@ def test_table_shows_the_large_recipe_beside_its_own_hf_loop():
                                             "scaling_efficiency": 4300 / 4400}
     two = next(r for r in table(res).splitlines() if r.startswith("fastbert pretrain academic-budget-large, gpus2"))
     assert "weak-scaling efficiency 98%" in two and "4.30x HF (1 GPU)" in two
+
+
+def test_a_variants_environment_reaches_the_command(tmp_path):
+    """``no-sm90`` is an environment setting, not a config override: run_logged sets it for the command only."""
+    import os
+    import sys
+
+    from benchmarks.real_paths import VARIANT_ENV, VARIANTS
+    from gpu_pretrain_check import run_logged
+    assert set(VARIANT_ENV) <= set(VARIANTS) and VARIANT_ENV["no-sm90"] == {"FASTBERT_GEMM_SM90": "0"}
+    log = tmp_path / "log.txt"
+    cmd = [sys.executable, "-c", "import os; print('sm90=' + os.environ.get('FASTBERT_GEMM_SM90', 'unset'))"]
+    ok, _ = run_logged(cmd, log, VARIANT_ENV["no-sm90"])
+    assert ok and "sm90=0" in log.read_text()
+    ok, _ = run_logged(cmd, log)  # without the variant: this process's environment, unchanged
+    assert ok and ("sm90=" + os.environ.get("FASTBERT_GEMM_SM90", "unset")) in log.read_text()
