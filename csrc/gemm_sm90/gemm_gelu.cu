@@ -9,11 +9,13 @@
 //                      (fb_sm90_tile_m), for the caller to add up
 //
 // All matrices row-major and contiguous, bf16, fp32 accumulation and epilogue math. erf by Abramowitz & Stegun
-// 7.1.26 (|error| <= 1.5e-7, with PTX's ex2 / rcp approximations: ~2^-8 of a bf16 rounding step) in about half
-// the instructions of libdevice's erff: the epilogue's arithmetic is what the tensor cores wait for in these
-// kernels (benchmarks/RESULTS.md, fifteenth session); GELU's derivative gets exp(-z^2 / 2) from the same formula. A plain C ABI (no Python, no torch): fastbert/ops/gemm_sm90.py loads this library with ctypes
-// and passes torch's pointers and current stream, so one build serves every Python and a CUDA graph captures
-// the launch. Each function returns 0, or a cutlass::Status (> 0) / -1 for a variant out of range.
+// 7.1.26 (|error| <= 1.5e-7 with PTX's ex2 / rcp approximations, about 1/25,000 of a bf16 rounding step at 1) in
+// about half the instructions of libdevice's erff: the epilogue's arithmetic is what the tensor cores wait for in
+// these kernels (benchmarks/RESULTS.md, fifteenth session); GELU's derivative gets exp(-z^2 / 2) from the same
+// formula. A plain C ABI (no Python, no torch): fastbert/ops/gemm_sm90.py loads this library with ctypes and passes
+// torch's pointers and current stream, so one build serves every Python and a CUDA graph captures the launch. Each
+// function returns 0, or cutlass::Status + 1, 100 (a workspace these kernels were not built for), 200 (a launch
+// error), -1 (a variant out of range).
 #include <cuda_runtime.h>
 
 #include <cstdint>
