@@ -76,12 +76,13 @@ def cuda_extension():
 def cutlass_include():
     """CUTLASS's include folder ($CUTLASS_PATH/include, else the nvidia-cutlass package's), or None."""
     if os.environ.get("CUTLASS_PATH"):
-        return Path(os.environ["CUTLASS_PATH"]) / "include"
-    import importlib.util
-    spec = importlib.util.find_spec("cutlass_library")  # located, not imported
-    if spec is None or spec.origin is None:
-        return None
-    folder = Path(spec.origin).parent / "source" / "include"
+        folder = Path(os.environ["CUTLASS_PATH"]) / "include"
+    else:
+        import importlib.util
+        spec = importlib.util.find_spec("cutlass_library")  # located, not imported
+        if spec is None or spec.origin is None:
+            return None
+        folder = Path(spec.origin).parent / "source" / "include"
     return folder if (folder / "cutlass" / "cutlass.h").exists() else None
 
 
@@ -92,8 +93,9 @@ if ext is not None:
     if "90" not in ext.cuda_arch:
         print(f"fastbert: not building fastbert/_gemm_sm90.so: sm_90 is not among {ext.cuda_arch}", file=sys.stderr)
     elif include is None:
-        print("fastbert: not building fastbert/_gemm_sm90.so: CUTLASS's headers not found (pip install "
-              "nvidia-cutlass, or set CUTLASS_PATH)", file=sys.stderr)
+        where = f"$CUTLASS_PATH/include ({os.environ['CUTLASS_PATH']}/include) has no cutlass/cutlass.h" \
+            if os.environ.get("CUTLASS_PATH") else "pip install nvidia-cutlass, or set CUTLASS_PATH"
+        print(f"fastbert: not building fastbert/_gemm_sm90.so: CUTLASS's headers not found ({where})", file=sys.stderr)
     else:
         sm90 = Pybind11Extension("fastbert._gemm_sm90", [])
         sm90.nvcc, sm90.cuda_arch = ext.nvcc, ["90a"]  # no Python module inside: ops/gemm_sm90.py loads it with ctypes

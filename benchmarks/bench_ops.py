@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.cuda_graph import capture  # noqa: E402
 from fastbert.ops._common import dropout_mask  # noqa: E402
 from fastbert.ops.embeddings import bert_embeddings, bert_embeddings_ref  # noqa: E402
-from fastbert.ops.ffn import ffn, ffn_ref, linear_bias_gelu, linear_bias_gelu_ref  # noqa: E402
+from fastbert.ops.ffn import ffn, ffn_ref, gelu_grad_ref, linear_bias_gelu, linear_bias_gelu_ref  # noqa: E402
 from fastbert.ops.layer_norm import dropout_add_layer_norm, dropout_add_layer_norm_ref  # noqa: E402
 from fastbert.ops.mlm_loss import sparse_mlm_loss, sparse_mlm_loss_ref  # noqa: E402
 
@@ -276,18 +276,14 @@ def bench_block(k, compile_):
 
 
 # ----------------------------------------------------------------------------- FFN GEMMs with GELU epilogues (sm_90)
-def _gelu_grad_ref(z):
-    return 0.5 * (1.0 + torch.erf(z * 0.5 ** 0.5)) + z * torch.exp(-0.5 * z * z) * (2 * torch.pi) ** -0.5
-
-
 def _sm90_checks(gemm_sm90, m, k, n, g, tag):
     """Every launch shape's z, y and dz against float64, beside torch's bf16 error on the same inputs."""
     x, w, b = randn(m, k, g=g), randn(n, k, g=g, scale=k ** -0.5), randn(n, g=g, scale=0.1)
     d, w2 = randn(m, k, g=g), randn(k, n, g=g, scale=n ** -0.5)
     z_ref = F.linear(x.double(), w.double(), b.double())
     z_t = F.linear(x, w, b)
-    dz_ref = (d.double() @ w2.double()) * _gelu_grad_ref(z_t.double())
-    dz_t = ((d @ w2).float() * _gelu_grad_ref(z_t.float())).to(DT)
+    dz_ref = (d.double() @ w2.double()) * gelu_grad_ref(z_t.double())
+    dz_t = ((d @ w2).float() * gelu_grad_ref(z_t)).to(DT)
     for v in range(gemm_sm90.variants()):
         gemm_sm90.VARIANT.update(bias_gelu=v, dgelu=v)
         y, z = gemm_sm90.bias_gelu(x, w, b)

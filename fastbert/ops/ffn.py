@@ -6,12 +6,22 @@ plain-PyTorch references; the fast paths live beside them.
 """
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 
 
 def linear_bias_gelu_ref(x, weight, bias, approximate="none"):
     """Reference. ``x``: ``(tokens, in)``, ``weight``: ``(out, in)``, ``bias``: ``(out,)``."""
     return F.gelu(F.linear(x, weight, bias), approximate=approximate)
+
+
+def gelu_grad_ref(z, approximate="none"):
+    """d gelu(z) / dz in fp32 (float64 stays float64); the formulas of the kernels' ``gelu_grad`` below."""
+    z = z if z.dtype == torch.float64 else z.float()
+    if approximate == "tanh":
+        t = torch.tanh(0.7978845608028654 * (z + 0.044715 * z ** 3))
+        return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * 0.7978845608028654 * (1 + 0.134145 * z * z)
+    return 0.5 * (1 + torch.erf(z * 0.7071067811865476)) + z * torch.exp(-0.5 * z * z) * 0.3989422804014327
 
 
 def ffn_ref(x, w1, b1, w2, approximate="none", residual=False):
@@ -32,8 +42,6 @@ def ffn_ref(x, w1, b1, w2, approximate="none", residual=False):
 # specialized kernels (ops/gemm_sm90.py) do the same. A Triton GEMM with bias + GELU in its epilogue was
 # this file's forward until the fifth session: on an H100 it ran at 0.84-0.94x cuBLAS + a separate GELU
 # (`benchmarks/bench_ops.py --ops ffn`, benchmarks/RESULTS.md), so it is gone.
-import torch  # noqa: E402
-
 from fastbert.ops import cublaslt, gemm_sm90  # noqa: E402
 from fastbert.ops._common import (  # noqa: E402
     autocast_dtype, autocast_inputs, check_triton_device, num_sms, register_op, sum_partials, tl, triton)

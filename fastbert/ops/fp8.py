@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from fastbert.ops import cublaslt
 from fastbert.ops._common import HAS_TRITON, INTERPRET, autocast_dtype, sum_partials, tl, triton
-from fastbert.ops.ffn import gelu, gelu_grad
+from fastbert.ops.ffn import gelu, gelu_grad, gelu_grad_ref
 
 HISTORY = 16
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -67,15 +67,6 @@ class AmaxHistory:
 def finite_amax(x: torch.Tensor) -> torch.Tensor:
     a = x.detach().abs().float()
     return torch.where(torch.isfinite(a), a, 0.0).amax()
-
-
-def gelu_grad_ref(z: torch.Tensor, approximate: str) -> torch.Tensor:
-    """d gelu(z) / dz in fp32 (the formulas of ``ops/ffn.gelu_grad``)."""
-    z = z.float()
-    if approximate == "tanh":
-        t = torch.tanh(0.7978845608028654 * (z + 0.044715 * z ** 3))
-        return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * 0.7978845608028654 * (1 + 0.134145 * z * z)
-    return 0.5 * (1 + torch.erf(z * 0.7071067811865476)) + z * torch.exp(-0.5 * z * z) * 0.3989422804014327
 
 
 def pre_op_ref(x: torch.Tensor, gelu: str | None, z: torch.Tensor | None) -> torch.Tensor:

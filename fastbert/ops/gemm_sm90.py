@@ -31,7 +31,7 @@ VARIANT = {"bias_gelu": 2, "dgelu": 0}
 # FASTBERT_GEMM_SM90=0 keeps cuBLAS + the GELU passes (benchmarks compare both; the switch is read per call).
 ENABLED = os.environ.get("FASTBERT_GEMM_SM90", "") != "0"
 
-_LIB: dict = {}
+_LIB: dict = {}    # "lib" -> the loaded library or None; ("sm90", device index) -> bool; ("tile", variant) -> (m, n)
 
 
 def library_path() -> Path:
@@ -44,26 +44,34 @@ def library_path() -> Path:
     return next(iter(sorted(package.glob("_gemm_sm90*.so"))), package / "_gemm_sm90.so")
 
 
+def _cached(key, make):
+    """``_LIB[key]``, made once: loading, the device check and the tile shapes stay off the FFN's hot path."""
+    if key not in _LIB:
+        _LIB[key] = make()
+    return _LIB[key]
+
+
+def _load():
+    """The library with its functions' signatures, or None (not built, no CUDA, or not loadable: warned)."""
+    path = library_path()
+    if not path.exists() or not torch.cuda.is_available():
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        warnings.warn(f"fastbert: {path} could not be loaded ({e}); the FFN keeps cuBLAS + a GELU pass", stacklevel=4)
+        return None
+    vp, i = ctypes.c_void_p, ctypes.c_int
+    lib.fb_sm90_bias_gelu.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, vp]
+    lib.fb_sm90_dgelu.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, vp]
+    lib.fb_sm90_tile_m.argtypes = lib.fb_sm90_tile_n.argtypes = [i]
+    for f in (lib.fb_sm90_bias_gelu, lib.fb_sm90_dgelu, lib.fb_sm90_variants, lib.fb_sm90_tile_m, lib.fb_sm90_tile_n):
+        f.restype = i
+    return lib
+
+
 def _lib():
-    if "lib" not in _LIB:
-        _LIB["lib"] = None
-        path = library_path()
-        if path.exists() and torch.cuda.is_available():
-            try:
-                lib = ctypes.CDLL(str(path))
-            except OSError as e:
-                warnings.warn(f"fastbert: {path} could not be loaded ({e}); the FFN keeps cuBLAS + a GELU pass",
-                              stacklevel=3)
-            else:
-                vp, i = ctypes.c_void_p, ctypes.c_int
-                lib.fb_sm90_bias_gelu.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, vp]
-                lib.fb_sm90_dgelu.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, vp]
-                lib.fb_sm90_tile_m.argtypes = lib.fb_sm90_tile_n.argtypes = [i]
-                for f in (lib.fb_sm90_bias_gelu, lib.fb_sm90_dgelu, lib.fb_sm90_variants, lib.fb_sm90_tile_m,
-                          lib.fb_sm90_tile_n):
-                    f.restype = i
-                _LIB["lib"] = lib
-    return _LIB["lib"]
+    return _cached("lib", _load)
 
 
 def eligible(*tensors) -> bool:
@@ -73,7 +81,10 @@ def eligible(*tensors) -> bool:
     if not ENABLED or not tensors or any(t is None for t in tensors):
         return False
     dev = tensors[0].device
-    if dev.type != "cuda" or _lib() is None or torch.cuda.get_device_capability(dev) != (9, 0):
+    if dev.type != "cuda" or _lib() is None:
+        return False
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if not _cached(("sm90", index), lambda: torch.cuda.get_device_capability(index) == (9, 0)):
         return False
     for t in tensors:
         if (t.device != dev or t.dtype != torch.bfloat16 or not t.is_contiguous() or t.numel() == 0
@@ -105,7 +116,7 @@ def dgelu(d: torch.Tensor, w2: torch.Tensor, z: torch.Tensor) -> tuple:
     ``(M, K)``, w2 ``(K, N)``, z ``(M, N)``; call :func:`eligible` first."""
     (m, k), n = d.shape, w2.shape[1]
     lib, v = _lib(), VARIANT["dgelu"]
-    tile_m, tile_n = lib.fb_sm90_tile_m(v), lib.fb_sm90_tile_n(v)
+    tile_m, tile_n = _cached(("tile", v), lambda: (lib.fb_sm90_tile_m(v), lib.fb_sm90_tile_n(v)))
     dz = torch.empty_like(z)
     partial = torch.empty((-(-m // tile_m), -(-n // tile_n) * tile_n), dtype=torch.float32, device=d.device)
     _check(lib.fb_sm90_dgelu(d.data_ptr(), w2.data_ptr(), z.data_ptr(), dz.data_ptr(), partial.data_ptr(), m, n, k, v,

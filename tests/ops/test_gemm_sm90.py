@@ -2,8 +2,8 @@
 
 On the CPU: when the library is not eligible (CPU tensors, disabled, another dtype, a last size that is not a
 multiple of 8) nothing calls it and the FFN is unchanged. On an sm_90 GPU with the library built: every launch
-shape's z, y = gelu(z), dz = (d @ w2) * gelu'(z) and d(bias) against float64, within 1.5x the error torch's bf16 GEMM +
-F.gelu make on the same inputs (the kernels round z to bf16 once, as cuBLAS does, and apply GELU to the fp32
+shape's z, y = gelu(z), dz = (d @ w2) * gelu'(z) and d(bias) against float64, within 1.5x the error torch's bf16
+GEMM + F.gelu make on the same inputs (the kernels round z to bf16 once, as cuBLAS does, and apply GELU to the fp32
 accumulator, so their error is at most torch's; 1.5x leaves room for a different summation order) plus 2^-9 of
 the largest |value| (one bf16 rounding); the FFN's output and every gradient with and without the library; a
 CUDA graph replaying the kernels with new inputs.
@@ -13,11 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from fastbert.ops import gemm_sm90
-from fastbert.ops.ffn import ffn, ffn_ref
-
-
-def gelu_grad(z):
-    return 0.5 * (1.0 + torch.erf(z * 0.5 ** 0.5)) + z * torch.exp(-0.5 * z * z) * (2 * torch.pi) ** -0.5
+from fastbert.ops.ffn import ffn, ffn_ref, gelu_grad_ref
 
 
 def close(out, torch_out, ref):
@@ -64,8 +60,8 @@ def test_gpu_every_variant_matches_float64(m, k, n):
     w2 = (torch.randn(k, n, generator=g) * n ** -0.5).to("cuda", torch.bfloat16)
     z_ref = F.linear(x.double(), w.double(), b.double())
     z_t = F.linear(x, w, b)
-    dz_ref = (d.double() @ w2.double()) * gelu_grad(z_t.double())
-    dz_t = ((d @ w2).float() * gelu_grad(z_t.float())).bfloat16()
+    dz_ref = (d.double() @ w2.double()) * gelu_grad_ref(z_t.double())
+    dz_t = ((d @ w2).float() * gelu_grad_ref(z_t)).bfloat16()
     default = dict(gemm_sm90.VARIANT)
     try:
         for v in range(gemm_sm90.variants()):
