@@ -13,7 +13,8 @@
 autocast, fused AdamW) and fastbert's model in the same bare loop (the model alone), then the real
 ``fastbert pretrain`` command (DeepSpeed, loader, device masking, guard, logging) for each variant
 in ``--variants`` (ZeRO stage, packing, guard; ``no-sm90``: the FFN's GELU as passes of their own, not inside the
-sm_90 GEMMs, through ``FASTBERT_GEMM_SM90=0``). sequences/s count real sequences (several share a
+sm_90 GEMMs, through ``FASTBERT_GEMM_SM90=0``; ``no-graph-accum``: accumulated gradients added by autograd after
+each graph replay, through ``FASTBERT_GRAPH_ACCUMULATE=0``). sequences/s count real sequences (several share a
 row when fastbert packs), so every line measures the same data consumed per second.
 
 ``finetune``: ``fastbert finetune --task sst2`` beside HF ``Trainer`` (SDPA, bf16,
@@ -58,8 +59,14 @@ VARIANTS = {  # name: extra `fastbert pretrain` overrides
     "span1": ["data.pack_span=1"],                     # one row a packing bin (the layout before spans)
     "fp8": ["train.precision=fp8"],
     "no-sm90": [],                                     # the FFN without the sm_90 GELU GEMMs (VARIANT_ENV)
+    "no-graph-accum": [],                              # autograd adds each micro-batch's gradients (VARIANT_ENV)
+    "fp8-no-graph-accum": ["train.precision=fp8"],
 }
-VARIANT_ENV = {"no-sm90": {"FASTBERT_GEMM_SM90": "0"}}  # name: environment set for the command
+VARIANT_ENV = {  # name: environment set for the command
+    "no-sm90": {"FASTBERT_GEMM_SM90": "0"},
+    "no-graph-accum": {"FASTBERT_GRAPH_ACCUMULATE": "0"},
+    "fp8-no-graph-accum": {"FASTBERT_GRAPH_ACCUMULATE": "0"},
+}
 FT_VARIANTS = {  # name: extra `fastbert finetune` flags
     "default": [],                                          # token-bucketed batches, CUDA graphs
     "eager": ["--no-cuda-graphs"],                          # the same batches, every step eager

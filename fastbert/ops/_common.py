@@ -15,6 +15,7 @@ generator, it needs no host round trip, and a CUDA graph replay draws a fresh on
 from __future__ import annotations
 
 import os
+import re
 
 # Tuning paid once: Triton stores each autotuned kernel's choice on disk, keyed by the card and the
 # shape bucket, so a second run (and every later step) never tunes again. TRITON_CACHE_AUTOTUNING=0
@@ -104,14 +105,16 @@ def register_op(name, schema, impl, fake):
     ``torch.compile`` treats it as one opaque node, and return a caller that goes through the
     custom op only while compiling: in eager mode the dispatcher round-trip (~100 us) costs more
     than most BERT-sized kernels, so ``impl`` is called directly. On a torch without
-    ``torch.library.custom_op`` (< 2.4) ``impl`` is returned unchanged and the ops run eagerly."""
+    ``torch.library.custom_op`` (< 2.4) ``impl`` is returned unchanged and the ops run eagerly. Arguments
+    the schema marks as written (``Tensor(a!)``) are declared mutated."""
     custom_op = getattr(torch.library, "custom_op", None)
     if custom_op is None:  # pragma: no cover - torch < 2.4
         return impl
     try:
         op = getattr(torch.ops.fastbert, name)  # already registered (module reloaded)
     except (AttributeError, RuntimeError):
-        registered = custom_op(f"fastbert::{name}", impl, mutates_args=(), schema=schema)
+        mutated = tuple(re.findall(r"Tensor\(\w!\)\??\s+(\w+)", schema))
+        registered = custom_op(f"fastbert::{name}", impl, mutates_args=mutated, schema=schema)
         registered.register_fake(fake)
         op = getattr(torch.ops.fastbert, name)
 

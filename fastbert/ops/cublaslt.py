@@ -54,6 +54,7 @@ _HAS_AUX = ("gelu_aux", "gelu_aux_bias", "dgelu")
 _CUDA_TYPES = {torch.float16: 2, torch.bfloat16: 14}  # cudaDataType_t
 _FP8_TYPES = {torch.float8_e4m3fn: 28, torch.float8_e5m2: 29}
 _COMPUTE_32F, _R_32F = 68, 0                            # cublasComputeType_t, cudaDataType_t
+_TYPES = {**_CUDA_TYPES, **_FP8_TYPES, torch.float32: _R_32F}
 # cublasLtMatmulDescAttributes_t, cublasLtMatmulPreferenceAttributes_t
 _TRANSA, _TRANSB, _EPILOGUE, _BIAS_POINTER, _AUX_POINTER, _AUX_LD = 3, 4, 7, 8, 11, 12
 _A_SCALE_POINTER, _B_SCALE_POINTER = 17, 18
@@ -272,7 +273,7 @@ def _run(p: Plan, a, b, epilogue: str, c, out, extra: dict) -> Optional[torch.Te
     has no algorithm."""
     ptrs = {"a": a.data_ptr(), "b": b.data_ptr(), "d": out.data_ptr(),
             "c": (c if c is not None else out).data_ptr(), **extra}
-    types = tuple(_CUDA_TYPES.get(t.dtype) or _FP8_TYPES[t.dtype] for t in (b, a, out))
+    types = tuple(_TYPES[t.dtype] for t in (b, a, out))
     lt = _lt()
     key = (types, a.device.index, p, epilogue, c is not None) + tuple(_alignment(v) for v in ptrs.values())
     entry = lt.problem(key, p, types, epilogue, ptrs)
@@ -316,3 +317,30 @@ def scaled_addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale_a: tor
         return None
     out = torch.empty_like(c)
     return _run(p, a, b, "default", c, out, {"scale_a": scale_a.data_ptr(), "scale_b": scale_b.data_ptr()})
+
+
+def accumulate(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale_a: Optional[torch.Tensor] = None,
+               scale_b: Optional[torch.Tensor] = None) -> bool:
+    """``c += a @ b`` in place inside the GEMM (beta = 1: cuBLASLt reads ``c`` in its epilogue and writes the sum
+    back into it, C and D one matrix): a weight gradient added into its fp32 accumulator with no pass of its own
+    (``ops/grad_accum.py``). ``a``, ``b``: 16-bit, one dtype; or FP8 with their one-element fp32 scales (``a``
+    row-major, ``b`` a column-major view, as ``torch._scaled_mm`` takes them). ``c``: fp32, contiguous, ``(M,
+    N)``. False, having done nothing, where cuBLASLt cannot: the caller adds."""
+    fp8 = scale_a is not None
+    live = (a, b, c, scale_a, scale_b) if fp8 else (a, b, c)
+    if (not all(t.is_cuda for t in live) or c.dtype != torch.float32 or not c.is_contiguous() or c.data_ptr() % 16
+            or c.dim() != 2 or c.shape != (a.shape[0], b.shape[1])):
+        return False
+    if fp8:
+        if (a.dtype not in _FP8_TYPES or b.dtype not in _FP8_TYPES or a.dtype == b.dtype == torch.float8_e5m2
+                or any(t.dtype != torch.float32 or t.numel() != 1 for t in (scale_a, scale_b))
+                or any(t.data_ptr() % 16 for t in (a, b)) or any(d % 16 for d in (*a.shape, b.shape[1]))
+                or _lt() is None):
+            return False
+    elif not eligible(a, b):
+        return False
+    p = plan(a, b)
+    if p is None or (fp8 and (not p.trans_a or p.trans_b)):  # FP8 GEMMs take both operands K-major ("TN")
+        return False
+    scales = {"scale_a": scale_a.data_ptr(), "scale_b": scale_b.data_ptr()} if fp8 else {}
+    return _run(p, a, b, "default", c, c, scales) is not None

@@ -42,7 +42,7 @@ def ffn_ref(x, w1, b1, w2, approximate="none", residual=False):
 # specialized kernels (ops/gemm_sm90.py) do the same. A Triton GEMM with bias + GELU in its epilogue was
 # this file's forward until the fifth session: on an H100 it ran at 0.84-0.94x cuBLAS + a separate GELU
 # (`benchmarks/bench_ops.py --ops ffn`, benchmarks/RESULTS.md), so it is gone.
-from fastbert.ops import cublaslt, gemm_sm90  # noqa: E402
+from fastbert.ops import cublaslt, gemm_sm90, grad_accum  # noqa: E402
 from fastbert.ops._common import (  # noqa: E402
     autocast_dtype, autocast_inputs, check_triton_device, num_sms, register_op, sum_partials, tl, triton)
 from fastbert.ops.linear import bias_grad, linear_grads, wgrad  # noqa: E402
@@ -286,15 +286,16 @@ def ffn_fwd(x, w1, b1, w2, approximate, store_pre):
     return (out, y2, z.reshape(y2.shape)) if store_pre else (out, y.new_empty((0,)), z)
 
 
-def ffn_bwd(dout, dres, x, w1, b1, w2, y, z, approximate, wdtype):
+def ffn_bwd(dout, dres, x, w1, b1, w2, y, z, approximate, wdtype, w1acc=None, w2acc=None):
     """``(dx, dw1, db1, dw2)``, the parameters' in ``wdtype`` (``linear.py``); db1 is empty when ``b1`` is None.
+    ``w1acc`` / ``w2acc``: the accumulators dw1 / dw2 are added into (``linear.wgrad``), each then empty.
     ``dres``: the gradient that reached x through the residual connection (or None), added to dx inside its
     GEMM. On eligible operands the down-projection's input-gradient GEMM applies GELU's derivative in its
     epilogue: the tanh GELU through cuBLASLt, then d(b1) as one reduction (cuBLASLt's own d(bias) epilogue here
     runs as a separate 0.6 ms kernel on an H100, so it is not used); the exact one through ops/gemm_sm90.py, whose
     epilogue sums d(b1) too. Otherwise that GEMM, then :func:`gelu_bwd` (which reduces d(b1) too)."""
     d2 = dout.reshape(-1, w2.shape[0])  # (M, hidden)
-    dw2 = wgrad(d2, y, wdtype)          # (hidden, M) @ (M, intermediate)
+    dw2 = wgrad(d2, y, wdtype, w2acc)   # (hidden, M) @ (M, intermediate)
     dz = None
     if approximate == "tanh" and cublaslt.eligible(d2, w2, z):
         dz = cublaslt.gemm(d2, w2, "dgelu", aux=z)
@@ -303,8 +304,10 @@ def ffn_bwd(dout, dres, x, w1, b1, w2, y, z, approximate, wdtype):
         dz, db = gemm_sm90.dgelu(d2, w2, z)
     if dz is None:
         dz, db = gelu_bwd(d2 @ w2, z, approximate)
-    dx, dw1 = linear_grads(dz, x, w1, dres, wdtype)
-    return dx, dw1, db.to(wdtype) if b1 is not None else w1.new_empty((0,), dtype=wdtype), dw2
+    dx, dw1 = linear_grads(dz, x, w1, dres, wdtype, w1acc)
+    empty = w1.new_empty((0,), dtype=wdtype)
+    return (dx, empty if dw1 is None else dw1, db.to(wdtype) if b1 is not None else empty,
+            empty if dw2 is None else dw2)
 
 
 def _ffn_fwd_fake(x, w1, b1, w2, approximate, store_pre):
@@ -313,9 +316,10 @@ def _ffn_fwd_fake(x, w1, b1, w2, approximate, store_pre):
     return out, inner, torch.empty_like(inner)
 
 
-def _ffn_bwd_fake(dout, dres, x, w1, b1, w2, y, z, approximate, wdtype):
+def _ffn_bwd_fake(dout, dres, x, w1, b1, w2, y, z, approximate, wdtype, w1acc=None, w2acc=None):
     db = w1.new_empty((w1.shape[0] if b1 is not None else 0,), dtype=wdtype)
-    return torch.empty_like(x), torch.empty_like(w1, dtype=wdtype), db, torch.empty_like(w2, dtype=wdtype)
+    return (torch.empty_like(x), w1.new_empty(w1.shape if w1acc is None else (0,), dtype=wdtype), db,
+            w2.new_empty(w2.shape if w2acc is None else (0,), dtype=wdtype))
 
 
 _ffn_fwd_op = register_op(
@@ -324,7 +328,8 @@ _ffn_fwd_op = register_op(
     ffn_fwd, _ffn_fwd_fake)
 _ffn_bwd_op = register_op(
     "ffn_bwd", "(Tensor dout, Tensor? dres, Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor y, Tensor z, "
-    "str approximate, ScalarType wdtype) -> (Tensor, Tensor, Tensor, Tensor)", ffn_bwd, _ffn_bwd_fake)
+    "str approximate, ScalarType wdtype, Tensor(a!)? w1acc, Tensor(b!)? w2acc) "
+    "-> (Tensor, Tensor, Tensor, Tensor)", ffn_bwd, _ffn_bwd_fake)
 
 
 class FfnFn(torch.autograd.Function):
@@ -339,14 +344,18 @@ class FfnFn(torch.autograd.Function):
         out, y, z = _ffn_fwd_op(x, w1c, b1c, w2c, approximate, True)
         ctx.save_for_backward(x, w1c, b1c, w2c, y, z)
         ctx.approximate, ctx.wdtype = approximate, w1.dtype
+        ctx.accs = tuple(grad_accum.buffer_for(w) if ctx.needs_input_grad[i] else None for i, w in ((1, w1), (3, w2)))
         return out, x
 
     @staticmethod
     def backward(ctx, dout, dres):
         x, w1, b1, w2, y, z = ctx.saved_tensors
         dres = dres.contiguous() if dres is not None else None
-        dx, dw1, db1, dw2 = _ffn_bwd_op(dout.contiguous(), dres, x, w1, b1, w2, y, z, ctx.approximate, ctx.wdtype)
-        return dx, dw1, db1 if b1 is not None else None, dw2, None
+        dx, dw1, db1, dw2 = _ffn_bwd_op(dout.contiguous(), dres, x, w1, b1, w2, y, z, ctx.approximate, ctx.wdtype,
+                                        *ctx.accs)
+        w1acc, w2acc = ctx.accs
+        return (dx, dw1 if w1acc is None else None, db1 if b1 is not None else None, dw2 if w2acc is None else None,
+                None)
 
 
 def ffn(x, w1, b1, w2, approximate="none", residual=False):

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fastbert.ops import cublaslt
+from fastbert.ops import cublaslt, grad_accum
 from fastbert.ops._common import HAS_TRITON, INTERPRET, autocast_dtype, sum_partials, tl, triton
 from fastbert.ops.ffn import gelu, gelu_grad, gelu_grad_ref
 
@@ -294,16 +294,26 @@ def linear_forward(x2, weight, bias, history, rows, out_dtype):
     return _scaled_mm_bias(x8, w8.t(), sx, sw, bias, out_dtype), (x8t, w8t, sx, sw)
 
 
-def linear_backward(saved, dtypes, g8, g8t, sg, db, dres):
+def _wgrad(g8t, x8t, sg, sx, dtype, acc):
+    """The weight gradient ``dy^T @ x`` from the transposed casts ``(N, T)`` and ``(K, T)`` in ``dtype``; with
+    ``acc`` (its buffer, ``ops/grad_accum.py``) added into it, inside the GEMM where cuBLASLt can, and None."""
+    if acc is None:
+        return torch._scaled_mm(g8t, x8t.t(), scale_a=sg, scale_b=sx, out_dtype=dtype)
+    if not cublaslt.accumulate(acc, g8t, x8t.t(), sg, sx):
+        acc.add_(torch._scaled_mm(g8t, x8t.t(), scale_a=sg, scale_b=sx, out_dtype=acc.dtype))
+    return None
+
+
+def linear_backward(saved, dtypes, g8, g8t, sg, db, dres, wacc=None):
     """``(dx, dW, db)`` of a :func:`linear_forward` from its ``saved`` tensors, the dtypes of (x, W, b) (b's None
     without a bias: then db is None whatever the cast's column sums) and the cast of its output gradient ``(g8,
-    g8t, sg, column sums)``; ``dres``: the residual's gradient that joins dx (or None)."""
+    g8t, sg, column sums)``; ``dres``: the residual's gradient that joins dx (or None); ``wacc``: W's
+    accumulator (``_wgrad``; dW then None)."""
     x8t, w8t, sx, sw = saved
     x_dtype, w_dtype, b_dtype = dtypes
     # dx = dy @ W: (T, N) x (N, K), W column-major = W^T's rows; dW = dy^T @ x: (N, T) x (T, K).
     dx = _dgrad(g8, w8t, sg, sw, x_dtype, dres)
-    dw = torch._scaled_mm(g8t, x8t.t(), scale_a=sg, scale_b=sx, out_dtype=w_dtype)
-    return dx, dw, db.to(b_dtype) if b_dtype is not None else None
+    return dx, _wgrad(g8t, x8t, sg, sx, w_dtype, wacc), db.to(b_dtype) if b_dtype is not None else None
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -316,6 +326,7 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.save_for_backward(*saved)
         ctx.history, ctx.rows = history, rows
         ctx.dtypes = (x2.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        ctx.wacc = grad_accum.buffer_for(weight) if ctx.needs_input_grad[1] else None
         ctx.set_materialize_grads(False)  # an unused output's gradient is None, not zeros
         return y, x2
 
@@ -325,7 +336,7 @@ class _Fp8Linear(torch.autograd.Function):
         if dy is None:  # only the residual's gradient arrived
             return dres, None, None, None, None, None
         cast = cast_fp8(dy, ctx.history, ctx.rows + 2, E5M2, colsum=ctx.dtypes[2] is not None)
-        return (*linear_backward(ctx.saved_tensors, ctx.dtypes, *cast, dres), None, None, None)
+        return (*linear_backward(ctx.saved_tensors, ctx.dtypes, *cast, dres, ctx.wacc), None, None, None)
 
 
 class _Fp8Ffn(torch.autograd.Function):
@@ -346,6 +357,7 @@ class _Fp8Ffn(torch.autograd.Function):
         ctx.save_for_backward(x8t, w18t, sx, sw1, z, y8t, w28t, sy, sw2)
         ctx.history, ctx.rows, ctx.approximate = history, rows, approximate
         ctx.dtypes = (x2.dtype, w1.dtype, b1.dtype if b1 is not None else None, w2.dtype)
+        ctx.accs = tuple(grad_accum.buffer_for(w) if ctx.needs_input_grad[i] else None for i, w in ((1, w1), (3, w2)))
         ctx.set_materialize_grads(False)
         return out, x2
 
@@ -359,11 +371,12 @@ class _Fp8Ffn(torch.autograd.Function):
         up, down = ctx.rows, ctx.rows + 3
         g8, g8t, sg, _ = cast_fp8(dout, ctx.history, down + 2, E5M2)
         dy = torch._scaled_mm(g8, w28t.t(), scale_a=sg, scale_b=sw2, out_dtype=z.dtype)
-        dw2 = torch._scaled_mm(g8t, y8t.t(), scale_a=sg, scale_b=sy, out_dtype=w2_dtype)
+        w1acc, w2acc = ctx.accs
+        dw2 = _wgrad(g8t, y8t, sg, sy, w2_dtype, w2acc)
         dz8, dz8t, sdz, db1 = cast_fp8(dy, ctx.history, up + 2, E5M2, colsum=b1_dtype is not None,
                                        gelu=ctx.approximate, z=z)
         dx = _dgrad(dz8, w18t, sdz, sw1, x_dtype, dres)
-        dw1 = torch._scaled_mm(dz8t, x8t.t(), scale_a=sdz, scale_b=sx, out_dtype=w1_dtype)
+        dw1 = _wgrad(dz8t, x8t, sdz, sx, w1_dtype, w1acc)
         return dx, dw1, db1.to(b1_dtype) if db1 is not None else None, dw2, None, None, None, None
 
 

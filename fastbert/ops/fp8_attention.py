@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from fastbert.ops import attention
+from fastbert.ops import attention, grad_accum
 from fastbert.ops._common import INTERPRET, autocast_dtype, check_dropout_p
 from fastbert.ops.fp8 import E5M2, AmaxHistory, _aligned, cast_fp8, fp8_linear, linear_backward, linear_forward
 
@@ -38,6 +38,7 @@ class _Fp8QkvAttention(torch.autograd.Function):
         ctx.history, ctx.rows, ctx.num_heads = history, rows, num_heads
         ctx.args = (max_seqlen, dropout_p, softmax_scale)
         ctx.dtypes = (x2.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        ctx.wacc = grad_accum.buffer_for(weight) if ctx.needs_input_grad[1] else None
         ctx.set_materialize_grads(False)
         return out, x2
 
@@ -55,7 +56,7 @@ class _Fp8QkvAttention(torch.autograd.Function):
         else:  # 16-bit gradients, then the cast (the row's first backward: measured first, ``cast_fp8`` primes it)
             dqkv = attention._bwd_op(dout, q, k, v, out, lse, mask, cu_seqlens, *ctx.args)
             cast = cast_fp8(dqkv.view(qkv.shape), ctx.history, row, E5M2, colsum=ctx.dtypes[2] is not None)
-        return (*linear_backward(saved, ctx.dtypes, *cast, dres), *(None,) * 9)
+        return (*linear_backward(saved, ctx.dtypes, *cast, dres, ctx.wacc), *(None,) * 9)
 
 
 def fp8_qkv_attention(x: torch.Tensor, weight: torch.Tensor, bias, history: AmaxHistory, rows: int, num_heads: int,

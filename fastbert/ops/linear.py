@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fastbert.ops import cublaslt
+from fastbert.ops import cublaslt, grad_accum
 from fastbert.ops._common import autocast_dtype, autocast_inputs, register_op
 
 
@@ -38,9 +38,14 @@ def _mm_writes(t, dtype) -> bool:
             and dtype in (t.dtype, torch.float32))
 
 
-def wgrad(dy2, x2, dtype):
+def wgrad(dy2, x2, dtype, acc=None):
     """The weight gradient ``dy2ᵀ @ x2`` ``(out, in)`` in ``dtype``, the parameter's own: a 16-bit GEMM's fp32
-    accumulator written straight out as fp32 on CUDA, else rounded and cast."""
+    accumulator written straight out as fp32 on CUDA, else rounded and cast. With ``acc`` (the weight's buffer,
+    ``ops/grad_accum.py``) the gradient is added into it, inside the GEMM where cuBLASLt can, and None returned."""
+    if acc is not None:
+        if not cublaslt.accumulate(acc, dy2.t(), x2):
+            acc.add_(wgrad(dy2, x2, acc.dtype))
+        return None
     if dtype == dy2.dtype:
         return dy2.t() @ x2
     if _mm_writes(dy2, dtype):
@@ -48,14 +53,15 @@ def wgrad(dy2, x2, dtype):
     return (dy2.t() @ x2).to(dtype)
 
 
-def linear_grads(dy, x, weight, dres=None, wdtype=None):
+def linear_grads(dy, x, weight, dres=None, wdtype=None, wacc=None):
     """``(dx, dweight)`` of ``x @ weight.T`` for the output gradient ``dy`` ``(..., out)``. ``dres``: a gradient
     of x that arrived another way (the residual's), or None; it is added to dx inside dx's GEMM. ``wdtype``:
-    dweight's dtype (the master weight's; None: weight's)."""
+    dweight's dtype (the master weight's; None: weight's). ``wacc``: dweight's accumulator (:func:`wgrad`);
+    dweight is then None."""
     n, k = weight.shape
     d2, x2 = dy.reshape(-1, n), x.reshape(-1, k)  # (M, out), (M, in)
     dx = cublaslt.addmm(dres.reshape(-1, k), d2, weight) if dres is not None else d2 @ weight
-    return dx.view(x.shape), wgrad(d2, x2, wdtype or weight.dtype)
+    return dx.view(x.shape), wgrad(d2, x2, wdtype or weight.dtype, wacc)
 
 
 def bias_grad(dy2, dtype):
@@ -67,23 +73,24 @@ def bias_grad(dy2, dtype):
     return dy2.sum(0, dtype=dtype) if dtype != dy2.dtype else dy2.sum(0)
 
 
-def linear_residual_bwd(dy, dres, x, weight, has_bias: bool, wdtype: torch.dtype):
+def linear_residual_bwd(dy, dres, x, weight, has_bias: bool, wdtype: torch.dtype, wacc=None):
     """``(dx, dweight, dbias)`` for the output gradient ``dy`` and the residual's ``dres`` (or None); dweight
-    and dbias in ``wdtype`` (the parameters'); dbias is empty without a bias."""
-    dx, dw = linear_grads(dy, x, weight, dres, wdtype)
+    and dbias in ``wdtype`` (the parameters'); dbias is empty without a bias. ``wacc``: dweight's accumulator
+    (:func:`wgrad`), dweight then empty."""
+    dx, dw = linear_grads(dy, x, weight, dres, wdtype, wacc)
     db = bias_grad(dy.reshape(-1, weight.shape[0]), wdtype) if has_bias else weight.new_empty((0,), dtype=wdtype)
-    return dx, dw, db
+    return dx, dw if dw is not None else weight.new_empty((0,), dtype=wdtype), db
 
 
-def _bwd_fake(dy, dres, x, weight, has_bias, wdtype):
-    return (torch.empty_like(x), torch.empty_like(weight, dtype=wdtype),
+def _bwd_fake(dy, dres, x, weight, has_bias, wdtype, wacc=None):
+    return (torch.empty_like(x), weight.new_empty(weight.shape if wacc is None else (0,), dtype=wdtype),
             weight.new_empty((weight.shape[0] if has_bias else 0,), dtype=wdtype))
 
 
 _bwd_op = register_op(
     "linear_residual_bwd",
-    "(Tensor dy, Tensor? dres, Tensor x, Tensor weight, bool has_bias, ScalarType wdtype) -> (Tensor, Tensor, Tensor)",
-    linear_residual_bwd, _bwd_fake)
+    "(Tensor dy, Tensor? dres, Tensor x, Tensor weight, bool has_bias, ScalarType wdtype, Tensor(a!)? wacc) "
+    "-> (Tensor, Tensor, Tensor)", linear_residual_bwd, _bwd_fake)
 
 
 class LinearResidualFn(torch.autograd.Function):
@@ -95,6 +102,7 @@ class LinearResidualFn(torch.autograd.Function):
         w, b = autocast_inputs(weight, bias)
         ctx.save_for_backward(x, w)
         ctx.bias_grad, ctx.wdtype = ctx.needs_input_grad[2], weight.dtype  # no reduction for a frozen bias
+        ctx.wacc = grad_accum.buffer_for(weight) if ctx.needs_input_grad[1] else None
         ctx.set_materialize_grads(False)  # an unused second output gives dres None, not a tensor of zeros
         return F.linear(x, w, b), x
 
@@ -104,8 +112,8 @@ class LinearResidualFn(torch.autograd.Function):
         if dy is None:
             dy = x.new_zeros((*x.shape[:-1], weight.shape[0]))
         dres = dres.contiguous() if dres is not None else None
-        dx, dw, db = _bwd_op(dy.contiguous(), dres, x, weight, ctx.bias_grad, ctx.wdtype)
-        return dx, dw, db if ctx.bias_grad else None
+        dx, dw, db = _bwd_op(dy.contiguous(), dres, x, weight, ctx.bias_grad, ctx.wdtype, ctx.wacc)
+        return dx, dw if ctx.wacc is None else None, db if ctx.bias_grad else None
 
 
 def linear_residual(x, weight, bias=None):

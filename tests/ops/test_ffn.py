@@ -209,7 +209,8 @@ def test_backward_ops_schema():
     z = x @ w1.t() + b1
     y = torch.nn.functional.gelu(z)
     for wdtype in (torch.float32, torch.float64):
-        torch.library.opcheck(torch.ops.fastbert.ffn_bwd.default, (dy, dy, x, w1, b1, w2, y, z, "none", wdtype))
+        torch.library.opcheck(torch.ops.fastbert.ffn_bwd.default, (dy, dy, x, w1, b1, w2, y, z, "none", wdtype,
+                                                                         None, None))
         torch.library.opcheck(torch.ops.fastbert.linear_bias_gelu_bwd.default,
                               (y, x, w1, b1, z, "tanh", wdtype))
 

@@ -41,7 +41,8 @@ def test_matches_reference(use_residual, has_bias):
 def test_backward_op_and_compile():
     x, w, b, dy, dres = make(9, 16, 24, torch.float32)
     for wdtype in (torch.float32, torch.float64):
-        torch.library.opcheck(torch.ops.fastbert.linear_residual_bwd.default, (dy, dres, x, w, True, wdtype))
+        torch.library.opcheck(torch.ops.fastbert.linear_residual_bwd.default, (dy, dres, x, w, True, wdtype,
+                                                                                     None))
     dx, dw, db = linear_residual_bwd(dy, None, x, w, False, torch.float32)
     assert db.numel() == 0
     torch.testing.assert_close(dx, dy @ w)

@@ -9,6 +9,7 @@ import torch
 
 from fastbert import BertConfig, BertForSequenceClassification
 from fastbert.data.static_batch import pack_examples
+from fastbert.ops import cublaslt
 from fastbert.training.cuda_graphs import GraphedModel, unsupported_reason
 
 gpu = pytest.mark.gpu
@@ -130,6 +131,51 @@ def test_accumulated_gradients_over_replays():
         graphed(b).loss.backward()
         for name in g_ref:
             torch.testing.assert_close(model.get_parameter(name).grad, g_ref[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_graphs_captured_after_own_grads_add_gradients_themselves(precision, accumulate, monkeypatch):
+    """Gradient accumulation as the engine runs it (own_grads() at each step's first micro-batch, before the
+    capture): the graph adds each micro-batch's gradients into .grad itself (the fused ops' weight-gradient
+    GEMMs with beta = 1, one multi-tensor addition the rest) and hands autograd none; .grad is the eager sum.
+    FASTBERT_GRAPH_ACCUMULATE=0: the graph returns them and autograd adds them (what ran before)."""
+    monkeypatch.setenv("FASTBERT_GRAPH_ACCUMULATE", "1" if accumulate else "0")
+    calls, real = [], cublaslt.accumulate
+
+    def counted(*args):  # the weight gradients cuBLASLt added into their buffers
+        done = real(*args)
+        calls.extend([args[0].shape] if done else [])
+        return done
+
+    monkeypatch.setattr(cublaslt, "accumulate", counted)
+    model = _model(0.0)
+    graphed = _graphed(model, precision)
+    a, b = _batch(4), _batch(4)
+    b["labels"] = (b["labels"] + 1) % 3
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16")
+    model.zero_grad(set_to_none=True)
+    for packed in (a, b):
+        with autocast:
+            model(packed=packed).loss.backward()
+    g_ref = _grads(model)
+    tol = dict(rtol=1e-5, atol=1e-6) if precision == "fp32" else dict(rtol=2e-2, atol=2e-3)
+    for step in range(3):            # step 0: a eager (first sight), b captured and replayed; then replays
+        model.zero_grad(set_to_none=True)
+        graphed.own_grads()
+        for packed in (a, b):
+            with autocast:
+                out = graphed(packed) or model(packed=packed)
+            out.loss.backward()
+        for name in g_ref:
+            torch.testing.assert_close(model.get_parameter(name).grad, g_ref[name], **tol, msg=f"{step} {name}")
+    assert graphed.replays == 5 and len(graphed.graphs) == 1
+    cap = next(iter(graphed.graphs.values()))
+    assert all(g is None for g in cap.grads) == accumulate
+    # bf16: the encoder's weights went through cuBLASLt's accumulating GEMM (fp32 operands add as they come)
+    assert bool(calls) == (accumulate and precision == "bf16"), calls
 
 
 @gpu

@@ -1,0 +1,167 @@
+"""Weight gradients added into buffers by the GEMMs that compute them (fastbert/ops/grad_accum.py).
+
+Inside ``accumulating({weight: buffer})`` a fused op's backward adds the weight's gradient into the buffer
+and gives autograd none for it; everything else (x, the bias, weights without a buffer) is unchanged. The
+buffer must end as ``before + the gradient the op would have returned``: on the CPU (and for fp32 operands)
+the op adds its own gradient (bit for bit), on a GPU cuBLASLt's GEMM adds its fp32 accumulator to the buffer
+in its epilogue (one rounding less than a separate addition, so equal within fp32 rounding of the sum).
+"""
+import pytest
+import torch
+
+from fastbert.ops import cublaslt, grad_accum
+from fastbert.ops.ffn import ffn
+from fastbert.ops.linear import linear_residual
+from ops_testing import DEVICE
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def leaves(*shapes, seed=0, device=DEVICE, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(*s, generator=g) / s[-1] ** 0.5).to(device, dtype).requires_grad_() for s in shapes]
+
+
+def grads_of(fn, params, buffers=None, cast=None):
+    """``fn(*params)``'s gradients (None where autograd gave none), run inside ``accumulating(buffers)``."""
+    ps = [p.detach().clone().requires_grad_() for p in params]
+    mapped = {ps[i]: b for i, b in (buffers or {}).items()}
+    autocast = torch.autocast(DEVICE, dtype=cast or torch.bfloat16, enabled=cast is not None)
+    with grad_accum.accumulating(mapped), autocast:
+        out = fn(*ps)
+    torch.autograd.backward(out, [torch.ones_like(o) for o in out])
+    return [p.grad for p in ps]
+
+
+def linear(x, w, b):
+    """The layer as the model calls it: under autocast x arrives in the autocast dtype."""
+    cast = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    return linear_residual(x.to(cast), w, b)
+
+
+@pytest.mark.parametrize("cast", [None, torch.bfloat16])
+def test_linear_adds_its_weight_gradient_into_the_buffer(cast):
+    x, w, b = leaves((37, 24), (40, 24), (40,))
+    want = grads_of(linear, (x, w, b), cast=cast)
+    before = torch.randn(w.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    buf = before.clone()
+    got = grads_of(linear, (x, w, b), {1: buf}, cast=cast)
+    assert got[1] is None                                     # autograd got no weight gradient
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)  # dx and the bias: unchanged
+    torch.testing.assert_close(got[2], want[2], rtol=0, atol=0)
+    torch.testing.assert_close(buf, before + want[1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("which", [(1, 3), (3,)])
+def test_ffn_adds_its_weight_gradients_into_the_buffers(which):
+    x, w1, b1, w2 = leaves((21, 16), (40, 16), (40,), (16, 40))
+
+    def f(*t):
+        out, passed = ffn(*t, residual=True)
+        return out, passed
+
+    want = grads_of(f, (x, w1, b1, w2))
+    buffers = {i: torch.full(want[i].shape, 0.5, device=DEVICE) for i in which}
+    got = grads_of(f, (x, w1, b1, w2), buffers)
+    for i in range(4):
+        if i in which:
+            assert got[i] is None
+            torch.testing.assert_close(buffers[i], 0.5 + want[i], rtol=1e-6, atol=1e-6)
+        else:
+            torch.testing.assert_close(got[i], want[i], rtol=0, atol=0)
+
+
+def test_no_buffer_outside_the_context_and_for_other_tensors():
+    w, other = leaves((4, 8), (4, 8))
+    buf = torch.zeros_like(w)
+    assert grad_accum.buffer_for(w) is None
+    with grad_accum.accumulating({w: buf}):
+        assert grad_accum.buffer_for(w) is buf
+        assert grad_accum.buffer_for(other) is None and grad_accum.buffer_for(None) is None
+        assert grad_accum.buffer_for(w.detach()) is None   # the parameter itself, not a tensor sharing it
+        with pytest.raises(RuntimeError, match="does not nest"):
+            with grad_accum.accumulating({}):
+                pass
+    assert grad_accum.buffer_for(w) is None
+
+
+def test_rejects_a_buffer_of_another_shape():
+    (w,) = leaves((4, 8))
+    with pytest.raises(ValueError, match=r"buffer of a \(4, 8\) parameter"):
+        with grad_accum.accumulating({w: torch.zeros(8, 4, device=DEVICE)}):
+            pass
+    assert grad_accum.buffer_for(w) is None
+
+
+def test_backward_ops_declare_the_buffer_written():
+    g = torch.Generator().manual_seed(2)
+    x, w1, b1, w2, dy = (torch.randn(*s, generator=g).to(DEVICE) for s in ((7, 16), (24, 16), (24,), (16, 24), (7, 16)))
+    z = x @ w1.t() + b1
+    y = torch.nn.functional.gelu(z)
+    torch.library.opcheck(torch.ops.fastbert.ffn_bwd.default,
+                          (dy, dy, x, w1, b1, w2, y, z, "none", torch.float32, torch.zeros_like(w1), None))
+    torch.library.opcheck(torch.ops.fastbert.linear_residual_bwd.default,
+                          (dy, None, y, w2, True, torch.float32, torch.zeros_like(w2)))
+
+
+# ------------------------------------------------------------------------------------------ on the GPU
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_accumulate_adds_in_the_gemm(dtype):
+    """``c += a @ b`` in place, a (out, tokens) column-major view as a weight gradient's ``dyᵀ`` is."""
+    g = torch.Generator().manual_seed(4)
+    dy = torch.randn(4096, 768, generator=g).to("cuda", dtype)
+    x = torch.randn(4096, 1024, generator=g).to("cuda", dtype)
+    c = torch.randn(768, 1024, generator=g).cuda()
+    want = c.double() + dy.double().t() @ x.double()
+    ptr = c.data_ptr()
+    assert cublaslt.accumulate(c, dy.t(), x)
+    assert c.data_ptr() == ptr
+    # fp32 accumulation over 4096 products of unit size: ~1e-5 relative; the result is ~64 in size
+    torch.testing.assert_close(c.double(), want, rtol=1e-4, atol=1e-3)
+    assert not cublaslt.accumulate(c.bfloat16(), dy.t(), x)   # the buffer must be fp32
+    assert not cublaslt.accumulate(c.t(), dy.t(), x.t().contiguous().t()[:, :768])  # not contiguous / shapes
+
+
+@gpu
+@needs_cuda
+def test_gpu_accumulate_fp8():
+    """The FP8 weight-gradient GEMM (e5m2 gradient x e4m3 input, scales read from the device) adding into an
+    fp32 buffer: ``torch._scaled_mm``'s fp32 result plus the buffer, within fp32 rounding."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 GEMMs need sm_89 or newer")
+    g = torch.Generator().manual_seed(5)
+    a = (torch.randn(768, 4096, generator=g) * 4).to("cuda", torch.float8_e5m2)        # (out, tokens)
+    b = torch.randn(1024, 4096, generator=g).to("cuda", torch.float8_e4m3fn).t()       # (tokens, in), col-major
+    sa, sb = torch.tensor([0.5], device="cuda"), torch.tensor([0.25], device="cuda")
+    c = torch.randn(768, 1024, generator=g).cuda()
+    want = c + torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+    assert cublaslt.accumulate(c, a, b, sa, sb)
+    torch.testing.assert_close(c, want, rtol=1e-5, atol=1e-3)
+
+
+@gpu
+@needs_cuda
+def test_gpu_linear_and_ffn_master_weights_accumulate():
+    """fp32 parameters under bf16 autocast at a BERT shape, as the training step runs them: the buffers end as
+    before + the gradients the ops return without them."""
+    x, w, b = leaves((4096, 1024), (3072, 1024), (3072,), device="cuda")
+    want = grads_of(linear, (x, w, b), cast=torch.bfloat16)
+    buf = torch.ones_like(w)
+    got = grads_of(linear, (x, w, b), {1: buf}, cast=torch.bfloat16)
+    assert got[1] is None
+    torch.testing.assert_close(buf, 1 + want[1], rtol=1e-5, atol=1e-5)
+    x, w1, b1, w2 = leaves((4096, 1024), (4096, 1024), (4096,), (1024, 4096), device="cuda")
+
+    def f(*t):
+        return (ffn(*t),)
+
+    want = grads_of(f, (x, w1, b1, w2), cast=torch.bfloat16)
+    bufs = {1: torch.ones_like(w1), 3: torch.ones_like(w2)}
+    got = grads_of(f, (x, w1, b1, w2), bufs, cast=torch.bfloat16)
+    assert got[1] is None and got[3] is None
+    for i in (1, 3):
+        torch.testing.assert_close(bufs[i], 1 + want[i], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[2], want[2], rtol=0, atol=0)
