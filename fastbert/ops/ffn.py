@@ -344,7 +344,8 @@ class FfnFn(torch.autograd.Function):
         out, y, z = _ffn_fwd_op(x, w1c, b1c, w2c, approximate, True)
         ctx.save_for_backward(x, w1c, b1c, w2c, y, z)
         ctx.approximate, ctx.wdtype = approximate, w1.dtype
-        ctx.accs = tuple(grad_accum.buffer_for(w) if ctx.needs_input_grad[i] else None for i, w in ((1, w1), (3, w2)))
+        ctx.accs = tuple(grad_accum.buffer_for(w) if ctx.needs_input_grad[i] else None
+                         for i, w in ((1, w1), (3, w2)))
         return out, x
 
     @staticmethod

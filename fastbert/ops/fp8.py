@@ -357,7 +357,8 @@ class _Fp8Ffn(torch.autograd.Function):
         ctx.save_for_backward(x8t, w18t, sx, sw1, z, y8t, w28t, sy, sw2)
         ctx.history, ctx.rows, ctx.approximate = history, rows, approximate
         ctx.dtypes = (x2.dtype, w1.dtype, b1.dtype if b1 is not None else None, w2.dtype)
-        ctx.accs = tuple(grad_accum.buffer_for(w) if ctx.needs_input_grad[i] else None for i, w in ((1, w1), (3, w2)))
+        ctx.accs = tuple(grad_accum.buffer_for(w) if ctx.needs_input_grad[i] else None
+                         for i, w in ((1, w1), (3, w2)))
         ctx.set_materialize_grads(False)
         return out, x2
 
