@@ -298,6 +298,23 @@ def addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out if out is not None else torch.addmm(c, a, b)
 
 
+def _fp8_plan(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, scale_a: torch.Tensor,
+              scale_b: torch.Tensor) -> Optional[Plan]:
+    """The plan of an FP8 GEMM ``(scale_a a) @ (scale_b b)`` adding ``c`` where cuBLASLt takes it: ``a`` row-major
+    and ``b`` a column-major view (both K-major, cuBLASLt's "TN"), not both e5m2, one-element fp32 scales, sizes
+    multiples of 16, ``c`` contiguous of the product's shape, pointers 16-byte aligned. None otherwise (c's dtype
+    is the caller's rule)."""
+    live = (a, b, c, scale_a, scale_b)
+    if (not all(t.is_cuda for t in live) or a.dtype not in _FP8_TYPES or b.dtype not in _FP8_TYPES
+            or a.dtype == b.dtype == torch.float8_e5m2 or not c.is_contiguous()
+            or any(t.dtype != torch.float32 or t.numel() != 1 for t in (scale_a, scale_b))
+            or any(t.data_ptr() % 16 for t in (a, b, c)) or any(d % 16 for d in (*a.shape, b.shape[1]))
+            or c.shape != (a.shape[0], b.shape[1]) or _lt() is None):
+        return None
+    p = plan(a, b)
+    return p if p is not None and p.trans_a and not p.trans_b else None
+
+
 def scaled_addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                  scale_b: torch.Tensor) -> Optional[torch.Tensor]:
     """``c + (scale_a a) @ (scale_b b)`` for FP8 ``a`` (row-major) and ``b`` (a column-major view, as
@@ -305,15 +322,8 @@ def scaled_addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale_a: tor
     ``torch._scaled_mm(a, b, scale_a=..., scale_b=..., out_dtype=c.dtype) + c`` with the addition done by the
     GEMM (one rounding, no pass of its own). ``scale_a`` / ``scale_b``: one-element fp32 device tensors (read by
     the GEMM: a CUDA graph replays them). None, having done nothing, where cuBLASLt cannot: the caller adds."""
-    live = (a, b, c, scale_a, scale_b)
-    if (not all(t.is_cuda for t in live) or a.dtype not in _FP8_TYPES or b.dtype not in _FP8_TYPES
-            or a.dtype == b.dtype == torch.float8_e5m2 or c.dtype not in _CUDA_TYPES or not c.is_contiguous()
-            or any(t.dtype != torch.float32 or t.numel() != 1 for t in (scale_a, scale_b))
-            or any(t.data_ptr() % 16 for t in (a, b, c)) or any(d % 16 for d in (*a.shape, b.shape[1]))
-            or c.shape != (a.shape[0], b.shape[1]) or _lt() is None):
-        return None
-    p = plan(a, b)
-    if p is None or not p.trans_a or p.trans_b:  # FP8 GEMMs take both operands K-major (cuBLASLt's "TN")
+    p = _fp8_plan(a, b, c, scale_a, scale_b) if c.dtype in _CUDA_TYPES else None
+    if p is None:
         return None
     out = torch.empty_like(c)
     return _run(p, a, b, "default", c, out, {"scale_a": scale_a.data_ptr(), "scale_b": scale_b.data_ptr()})
@@ -326,21 +336,14 @@ def accumulate(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale_a: Optio
     (``ops/grad_accum.py``). ``a``, ``b``: 16-bit, one dtype; or FP8 with their one-element fp32 scales (``a``
     row-major, ``b`` a column-major view, as ``torch._scaled_mm`` takes them). ``c``: fp32, contiguous, ``(M,
     N)``. False, having done nothing, where cuBLASLt cannot: the caller adds."""
-    fp8 = scale_a is not None
-    live = (a, b, c, scale_a, scale_b) if fp8 else (a, b, c)
-    if (not all(t.is_cuda for t in live) or c.dtype != torch.float32 or not c.is_contiguous() or c.data_ptr() % 16
-            or c.dim() != 2 or c.shape != (a.shape[0], b.shape[1])):
+    if c.dtype != torch.float32:
         return False
-    if fp8:
-        if (a.dtype not in _FP8_TYPES or b.dtype not in _FP8_TYPES or a.dtype == b.dtype == torch.float8_e5m2
-                or any(t.dtype != torch.float32 or t.numel() != 1 for t in (scale_a, scale_b))
-                or any(t.data_ptr() % 16 for t in (a, b)) or any(d % 16 for d in (*a.shape, b.shape[1]))
-                or _lt() is None):
-            return False
-    elif not eligible(a, b):
+    if scale_a is not None:
+        p = _fp8_plan(a, b, c, scale_a, scale_b)
+    elif c.is_cuda and c.is_contiguous() and not c.data_ptr() % 16 and c.shape == (a.shape[0], b.shape[1]) \
+            and eligible(a, b):
+        p = plan(a, b)
+    else:
         return False
-    p = plan(a, b)
-    if p is None or (fp8 and (not p.trans_a or p.trans_b)):  # FP8 GEMMs take both operands K-major ("TN")
-        return False
-    scales = {"scale_a": scale_a.data_ptr(), "scale_b": scale_b.data_ptr()} if fp8 else {}
-    return _run(p, a, b, "default", c, c, scales) is not None
+    scales = {"scale_a": scale_a.data_ptr(), "scale_b": scale_b.data_ptr()} if scale_a is not None else {}
+    return p is not None and _run(p, a, b, "default", c, c, scales) is not None

@@ -28,7 +28,8 @@ import torch
 # The launch shape each function uses (the .cu file lists them); the fastest of `benchmarks/bench_ops.py --ops sm90`
 # on an H100 at BERT-large and BERT-base sizes (benchmarks/RESULTS.md, fifteenth session).
 VARIANT = {"bias_gelu": 2, "dgelu": 0}
-# FASTBERT_GEMM_SM90=0 keeps cuBLAS + the GELU passes (benchmarks compare both; the switch is read per call).
+# FASTBERT_GEMM_SM90=0 keeps cuBLAS + the GELU passes (read at import; benchmarks compare both by setting this
+# module attribute, which is read on every call).
 ENABLED = os.environ.get("FASTBERT_GEMM_SM90", "") != "0"
 
 _LIB: dict = {}    # "lib" -> the loaded library or None; ("sm90", device index) -> bool; ("tile", variant) -> (m, n)
@@ -74,6 +75,10 @@ def _lib():
     return _cached("lib", _load)
 
 
+def _sm90(index: int) -> bool:
+    return _cached(("sm90", index), lambda: torch.cuda.get_device_capability(index) == (9, 0))
+
+
 def eligible(*tensors) -> bool:
     """Whether the library can take these operands: enabled and loaded, an sm_90 device, every tensor bf16 on it,
     contiguous, not empty, 16-byte aligned, its last size a multiple of 8 (TMA's 16-byte strides; the row count
@@ -84,7 +89,7 @@ def eligible(*tensors) -> bool:
     if dev.type != "cuda" or _lib() is None:
         return False
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    if not _cached(("sm90", index), lambda: torch.cuda.get_device_capability(index) == (9, 0)):
+    if not _sm90(index):
         return False
     for t in tensors:
         if (t.device != dev or t.dtype != torch.bfloat16 or not t.is_contiguous() or t.numel() == 0
@@ -137,6 +142,6 @@ def ready() -> Optional[str]:
         return "FASTBERT_GEMM_SM90=0"
     if _lib() is None:
         return f"{library_path()} not built or not loadable (setup.py builds it with nvcc and CUTLASS's headers)"
-    if torch.cuda.get_device_capability() != (9, 0):
+    if not _sm90(torch.cuda.current_device()):
         return f"the GPU is sm_{''.join(map(str, torch.cuda.get_device_capability()))}, the kernels are sm_90a"
     return None
