@@ -2,10 +2,12 @@
 under torch.profiler.
 
     python3 benchmarks/profile_pretrain.py --data DIR --out OUT [KEY=VALUE ...]
+    python3 benchmarks/profile_pretrain.py --config configs/academic-budget-large.json --data MLM_DIR --out OUT
     python3 benchmarks/profile_pretrain.py --finetune --glue GLUE --vocab VOCAB_DIR --out OUT
 
 Runs the same configuration as ``benchmarks/real_paths.py`` (BERT-base, seq 128, micro batch 128,
-bf16), profiles ``--active`` optimizer steps after ``--skip`` steps, and prints the step's wall time,
+bf16; another ``--config`` keeps its own recipe, DeepSpeed and accumulation included), profiles
+``--active`` optimizer steps after ``--skip`` steps, and prints the step's wall time,
 the GPU's busy time in it, the top host (CPU) and device (CUDA) ops, and the number of
 device-to-host synchronisations per step (``cudaStreamSynchronize`` / ``cudaMemcpy`` D2H /
 ``cudaEventSynchronize`` calls). Writes a Chrome trace to OUT/trace.json.
@@ -23,7 +25,8 @@ sys.path.insert(0, str(REPO))
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--data", help="prepared NSP data, seq 128 (pretrain)")
+    p.add_argument("--data", help="prepared NSP data, seq 128 (pretrain; MLM-only data for an MLM-only config)")
+    p.add_argument("--config", default="configs/base.json", help="the pretraining config (pretrain)")
     p.add_argument("--finetune", action="store_true",
                    help="profile `fastbert finetune --task sst2` (random-init BERT-base, batch 32, bf16) instead")
     p.add_argument("--glue", help="GLUE root with SST-2 (--finetune)")
@@ -43,12 +46,13 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     steps = args.skip + args.active + 2
-    cfg = None if args.finetune else load_config(REPO / "configs/base.json", [
-        f"output_dir={out / 'run'}", f"data.dir={args.data}", "data.auto_prepare=false", "train.deepspeed=null",
-        "train.precision=bf16", f"train.max_steps={steps}", "train.micro_batch_size=128",
-        "train.global_batch_size=128", "log.every_steps=5", "eval.every_steps=null", "eval.at_end=false",
-        "checkpoint.every_minutes=null", "checkpoint.every_steps=null", "checkpoint.at_end=false",
-        "export.hf=false", *args.overrides])
+    recipe = ["train.deepspeed=null", "train.precision=bf16", "train.micro_batch_size=128",
+              "train.global_batch_size=128"] if args.config == "configs/base.json" else ["train.time_budget=null"]
+    cfg = None if args.finetune else load_config(REPO / args.config, [
+        f"output_dir={out / 'run'}", f"data.dir={args.data}", "data.auto_prepare=false", *recipe,
+        f"train.max_steps={steps}", "log.every_steps=5", "eval.every_steps=null", "eval.every_minutes=null",
+        "eval.at_end=false", "checkpoint.every_minutes=null", "checkpoint.every_steps=null",
+        "checkpoint.at_end=false", "export.hf=false", *args.overrides])
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=False)
     state = {"n": 0, "t0": None}
     original = engine_mod.TrainEngine.step

@@ -38,29 +38,46 @@ def dropout_add_layer_norm_ref(x, residual, weight, bias, eps, x_bias=None, drop
 
 # ============================================================================= Triton kernels
 # Everything below is the fused path. The sum ``s = residual + dropout(x + x_bias)`` is formed in
-# fp32 and never rounded before the statistics; the backward recomputes it from the inputs (and
-# regenerates the dropout mask from the seed) instead of storing it, so the forward moves three
-# tensors (x, residual in; y out), the minimum.
+# fp32. Two ways to the backward:
+# - recompute (Post-LN): the backward forms s again from x and the residual (and draws the dropout mask
+#   again from the seed), so the forward moves three tensors (x, residual in; y out), the minimum;
+# - from the sum (``from_sum``: Pre-LN, which stores s anyway as its residual stream): the forward rounds s
+#   to x's dtype before the statistics, as a same-dtype ``residual + x`` would be, and stores the dropout mask
+#   as bits (one byte per 8 columns); the backward reads s and the bits instead of x and the residual: one
+#   tensor less to read (-9 us of 150 a LayerNorm at BERT-large's 16,384 x 1,024 on an H100,
+#   benchmarks/RESULTS.md), and x need not be kept. Post-LN would have to store s for it: no gain there.
 
 from fastbert.ops._common import (  # noqa: E402
-    bwd_row_partition, check_dropout_p, check_hidden, check_triton_device, drop_threshold, dropout_keep,
-    dropout_seed, register_op, row_block, sum_partials, tl, triton)
+    bwd_row_partition, check_dropout_p, check_hidden, check_triton_device, drop_threshold, dropout_bits,
+    dropout_seed, keep_from_bits, register_op, row_block, sum_partials, tl, triton)
 
 
 @triton.jit
 def _prenorm_sum(X, RES, XB, rows64, cols, mask, col_mask, N, stride_x, stride_res, threshold, scale, SEED,
                  HAS_RES: tl.constexpr, HAS_XB: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """s = residual + dropout(x + x_bias) in fp32 for a (BLOCK_M, BLOCK_N) tile; also the keep mask."""
+    """s = residual + dropout(x + x_bias) in fp32 for a (BLOCK_M, BLOCK_N) tile; also the keep mask and its
+    ``dropout_bits`` (without dropout: the mask, and the mask in place of bits)."""
     x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_XB:
         x += tl.load(XB + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     keep = mask
+    bits = mask  # a placeholder: no bits without dropout
     if HAS_DROPOUT:
-        keep = dropout_keep(tl.load(SEED), rows64, 0, N, threshold, BLOCK_N)
+        bits = dropout_bits(tl.load(SEED), rows64, 0, N, threshold, BLOCK_N)
+        keep = keep_from_bits(bits)
         x = tl.where(keep, x * scale, 0.0)
     if HAS_RES:
         x += tl.load(RES + rows64[:, None] * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    return x, keep
+    return x, keep, bits
+
+
+@triton.jit
+def _bits_ptrs(BITS, rows64, row_mask, N, BLOCK_N: tl.constexpr):
+    """Pointers to the mask bytes of a tile's rows (``(M, ceil(N / 8))`` uint8, ``dropout_bits``' layout) and
+    their mask."""
+    nbytes = (N + 7) // 8
+    j = tl.arange(0, BLOCK_N // 8)
+    return BITS + rows64[:, None] * nbytes + j[None, :], row_mask[:, None] & (j[None, :] < nbytes)
 
 
 @triton.jit
@@ -89,21 +106,29 @@ def layer_norm_bwd_rows(s, dy, w, MEAN, RSTD, rows, row_mask, mask, N):
 
 
 @triton.jit(do_not_specialize=["M", "threshold"])
-def _ln_fwd_kernel(X, RES, XB, W, B, Y, S, MEAN, RSTD,
+def _ln_fwd_kernel(X, RES, XB, W, B, Y, S, BITS, MEAN, RSTD,
                    M, N, stride_x, stride_res, stride_y, stride_s, eps, threshold, scale, SEED,
                    HAS_RES: tl.constexpr, HAS_XB: tl.constexpr, HAS_B: tl.constexpr,
-                   HAS_DROPOUT: tl.constexpr, STORE_SUM: tl.constexpr,
+                   HAS_DROPOUT: tl.constexpr, STORE_SUM: tl.constexpr, FOR_BACKWARD: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """FOR_BACKWARD (with STORE_SUM): the statistics of s as stored (rounded to S's dtype), and the dropout
+    mask's bits stored into BITS, for the backward to read."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < M
     col_mask = cols < N
     mask = row_mask[:, None] & col_mask[None, :]
     rows64 = rows.to(tl.int64)
-    s, _ = _prenorm_sum(X, RES, XB, rows64, cols, mask, col_mask, N, stride_x, stride_res, threshold, scale, SEED,
-                        HAS_RES, HAS_XB, HAS_DROPOUT, BLOCK_N)
+    s, _, bits = _prenorm_sum(X, RES, XB, rows64, cols, mask, col_mask, N, stride_x, stride_res, threshold, scale,
+                              SEED, HAS_RES, HAS_XB, HAS_DROPOUT, BLOCK_N)
     if STORE_SUM:
-        tl.store(S + rows64[:, None] * stride_s + cols[None, :], s.to(S.dtype.element_ty), mask=mask)
+        s_stored = s.to(S.dtype.element_ty)
+        tl.store(S + rows64[:, None] * stride_s + cols[None, :], s_stored, mask=mask)
+        if FOR_BACKWARD:
+            s = s_stored.to(tl.float32)
+            if HAS_DROPOUT:
+                ptrs, bmask = _bits_ptrs(BITS, rows64, row_mask, N, BLOCK_N)
+                tl.store(ptrs, bits, mask=bmask)
     sc, mean, rstd = layer_norm_stats(s, mask, N, eps)
     tl.store(MEAN + rows, mean, mask=row_mask)
     tl.store(RSTD + rows, rstd, mask=row_mask)
@@ -115,15 +140,16 @@ def _ln_fwd_kernel(X, RES, XB, W, B, Y, S, MEAN, RSTD,
 
 
 @triton.jit(do_not_specialize=["M", "rows_per_program", "threshold"])
-def _ln_bwd_kernel(DY, DS, X, RES, XB, W, MEAN, RSTD, DX, DRES, PART,
+def _ln_bwd_kernel(DY, DS, X, RES, XB, W, BITS, MEAN, RSTD, DX, DRES, PART,
                    M, N, rows_per_program, stride_dy, stride_ds, stride_x, stride_res, stride_dx, stride_dres,
                    threshold, scale, SEED,
                    HAS_DS: tl.constexpr, HAS_RES: tl.constexpr, HAS_XB: tl.constexpr,
-                   HAS_DROPOUT: tl.constexpr, STORE_DRES: tl.constexpr,
+                   HAS_DROPOUT: tl.constexpr, STORE_DRES: tl.constexpr, FROM_SUM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Each program walks ``rows_per_program`` rows, BLOCK_M at a time, and writes its partial
     column sums for dweight / dbias [/ dx_bias] as one row of PART ``(programs, 2 or 3, N)``, which one
-    reduction sums afterwards (deterministic, no atomics)."""
+    reduction sums afterwards (deterministic, no atomics). FROM_SUM: X is the stored pre-norm sum and the
+    dropout mask comes from BITS (RES is not read)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -138,8 +164,15 @@ def _ln_bwd_kernel(DY, DS, X, RES, XB, W, MEAN, RSTD, DX, DRES, PART,
         row_mask = rows < row_end
         mask = row_mask[:, None] & col_mask[None, :]
         rows64 = rows.to(tl.int64)
-        s, keep = _prenorm_sum(X, RES, XB, rows64, cols, mask, col_mask, N, stride_x, stride_res, threshold, scale,
-                               SEED, HAS_RES, HAS_XB, HAS_DROPOUT, BLOCK_N)
+        if FROM_SUM:
+            s = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            keep = mask
+            if HAS_DROPOUT:
+                ptrs, bmask = _bits_ptrs(BITS, rows64, row_mask, N, BLOCK_N)
+                keep = keep_from_bits(tl.load(ptrs, mask=bmask, other=0))
+        else:
+            s, keep, _ = _prenorm_sum(X, RES, XB, rows64, cols, mask, col_mask, N, stride_x, stride_res, threshold,
+                                      scale, SEED, HAS_RES, HAS_XB, HAS_DROPOUT, BLOCK_N)
         dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         ds, xhat = layer_norm_bwd_rows(s, dy, w, MEAN, RSTD, rows, row_mask, mask, N)
         if HAS_DS:
@@ -168,33 +201,39 @@ def _rows(t, n):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def layer_norm_fwd(x, residual, weight, bias, eps, x_bias, dropout_p, seed, store_sum):
-    """Returns ``(y, s, mean, rstd)``: y like x; s the pre-norm sum (x's dtype) when ``store_sum``
-    else an empty tensor; mean, rstd fp32 ``(M,)``."""
+def layer_norm_fwd(x, residual, weight, bias, eps, x_bias, dropout_p, seed, store_sum, from_sum):
+    """Returns ``(y, s, mean, rstd, bits)``: y like x; s the pre-norm sum (x's dtype) when ``store_sum`` or
+    ``from_sum``, else an empty tensor; mean, rstd fp32 ``(M,)``; with ``from_sum`` (the backward will read s,
+    see above; x and the residual of one dtype) the statistics are those of s as stored and ``bits`` the
+    dropout mask ``(M, ceil(N / 8))`` uint8 (empty without dropout or ``from_sum``)."""
     n = x.shape[-1]
     x2 = _rows(x, n)
     res2 = _rows(residual, n) if residual is not None else None
     m = x2.shape[0]
+    store_sum = store_sum or from_sum
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     s = torch.empty((m, n) if store_sum else (0,), dtype=x.dtype, device=x.device)
+    bits = torch.empty((m, (n + 7) // 8) if from_sum and dropout_p > 0.0 else (0,), dtype=torch.uint8,
+                       device=x.device)
     mean = torch.empty((m,), dtype=torch.float32, device=x.device)
     rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m > 0:
         block_m, block_n, num_warps = row_block(n)
         _ln_fwd_kernel[(triton.cdiv(m, block_m),)](
-            x2, res2, x_bias, weight, bias, y, s, mean, rstd,
+            x2, res2, x_bias, weight, bias, y, s, bits, mean, rstd,
             m, n, x2.stride(0), res2.stride(0) if res2 is not None else 0, y.stride(0), n,
             eps, drop_threshold(dropout_p), 1.0 / (1.0 - dropout_p), seed,
             HAS_RES=res2 is not None, HAS_XB=x_bias is not None, HAS_B=bias is not None,
-            HAS_DROPOUT=dropout_p > 0.0, STORE_SUM=store_sum,
+            HAS_DROPOUT=dropout_p > 0.0, STORE_SUM=store_sum, FOR_BACKWARD=from_sum,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
-    return y.view(x.shape), s.view(x.shape) if store_sum else s, mean, rstd
+    return y.view(x.shape), s.view(x.shape) if store_sum else s, mean, rstd, bits
 
 
-def layer_norm_bwd(dy, ds, x, residual, weight, bias, x_bias, mean, rstd, dropout_p, seed):
+def layer_norm_bwd(dy, ds, x, residual, weight, bias, x_bias, mean, rstd, dropout_p, seed, bits, from_sum):
     """Returns ``(dx, dresidual, dweight, dbias, dx_bias)``. ``dresidual`` is empty when it equals
     ``dx`` (no dropout, same dtype: the caller reuses dx); ``dbias`` / ``dx_bias`` are empty
-    when there is no such input."""
+    when there is no such input. With ``from_sum`` (the forward's), ``x`` is the stored pre-norm sum and
+    ``bits`` the forward's mask; the residual is then only looked at for its dtype."""
     n = x.shape[-1]
     x2 = _rows(x, n)
     dy2 = _rows(dy, n)
@@ -210,12 +249,12 @@ def layer_norm_bwd(dy, ds, x, residual, weight, bias, x_bias, mean, rstd, dropou
     part = torch.empty((programs, 3 if x_bias is not None else 2, n), dtype=torch.float32, device=x.device)
     if m > 0:
         _ln_bwd_kernel[(programs,)](
-            dy2, ds2, x2, res2, x_bias, weight, mean, rstd, dx, dres, part,
+            dy2, ds2, x2, res2, x_bias, weight, bits, mean, rstd, dx, dres, part,
             m, n, rows_per_program, dy2.stride(0), ds2.stride(0) if ds2 is not None else 0, x2.stride(0),
             res2.stride(0) if res2 is not None else 0, n, n,
             drop_threshold(dropout_p), 1.0 / (1.0 - dropout_p), seed,
             HAS_DS=ds2 is not None, HAS_RES=res2 is not None, HAS_XB=x_bias is not None,
-            HAS_DROPOUT=dropout_p > 0.0, STORE_DRES=store_dres,
+            HAS_DROPOUT=dropout_p > 0.0, STORE_DRES=store_dres, FROM_SUM=from_sum,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     else:
         part.zero_()
@@ -227,14 +266,15 @@ def layer_norm_bwd(dy, ds, x, residual, weight, bias, x_bias, mean, rstd, dropou
 
 
 # ----------------------------------------------------------------------------- custom ops
-def _fwd_fake(x, residual, weight, bias, eps, x_bias, dropout_p, seed, store_sum):
+def _fwd_fake(x, residual, weight, bias, eps, x_bias, dropout_p, seed, store_sum, from_sum):
     m = x.numel() // x.shape[-1] if x.dim() else 1
-    s = torch.empty_like(x) if store_sum else x.new_empty((0,))
+    s = torch.empty_like(x) if store_sum or from_sum else x.new_empty((0,))
+    bits = x.new_empty((m, (x.shape[-1] + 7) // 8) if from_sum and dropout_p > 0.0 else (0,), dtype=torch.uint8)
     stats = x.new_empty((m,), dtype=torch.float32)
-    return torch.empty_like(x), s, stats, stats.clone()
+    return torch.empty_like(x), s, stats, stats.clone(), bits
 
 
-def _bwd_fake(dy, ds, x, residual, weight, bias, x_bias, mean, rstd, dropout_p, seed):
+def _bwd_fake(dy, ds, x, residual, weight, bias, x_bias, mean, rstd, dropout_p, seed, bits, from_sum):
     store_dres = residual is not None and (dropout_p > 0.0 or residual.dtype != x.dtype)
     dres = torch.empty_like(residual) if store_dres else x.new_empty((0,))
     db = torch.empty_like(bias) if bias is not None else weight.new_empty((0,))
@@ -245,12 +285,13 @@ def _bwd_fake(dy, ds, x, residual, weight, bias, x_bias, mean, rstd, dropout_p, 
 _fwd_op = register_op(
     "dropout_add_layer_norm_fwd",
     "(Tensor x, Tensor? residual, Tensor weight, Tensor? bias, float eps, Tensor? x_bias, float dropout_p, "
-    "Tensor? seed, bool store_sum) -> (Tensor, Tensor, Tensor, Tensor)",
+    "Tensor? seed, bool store_sum, bool from_sum) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     layer_norm_fwd, _fwd_fake)
 _bwd_op = register_op(
     "dropout_add_layer_norm_bwd",
     "(Tensor dy, Tensor? ds, Tensor x, Tensor? residual, Tensor weight, Tensor? bias, Tensor? x_bias, "
-    "Tensor mean, Tensor rstd, float dropout_p, Tensor? seed) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "Tensor mean, Tensor rstd, float dropout_p, Tensor? seed, Tensor bits, bool from_sum) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     layer_norm_bwd, _bwd_fake)
 
 
@@ -259,21 +300,25 @@ class DropoutAddLayerNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, x_bias, dropout_p, prenorm, seed):
         ctx.set_materialize_grads(False)  # an unused pre-norm output costs no zeros tensor
-        y, s, mean, rstd = _fwd_op(x, residual, weight, bias, eps, x_bias, dropout_p, seed, prenorm)
-        ctx.save_for_backward(x, residual, weight, bias, x_bias, mean, rstd)
-        ctx.dropout_p, ctx.seed, ctx.prenorm = dropout_p, seed, prenorm
+        # Pre-LN's backward works from the stored sum (see the kernels' notes) where x and the residual share a
+        # dtype (the sum is stored in x's).
+        from_sum = prenorm and (residual is None or residual.dtype == x.dtype)
+        y, s, mean, rstd, bits = _fwd_op(x, residual, weight, bias, eps, x_bias, dropout_p, seed, prenorm, from_sum)
+        ctx.save_for_backward(s if from_sum else x, residual, weight, bias, x_bias, mean, rstd, bits)
+        ctx.dropout_p, ctx.seed, ctx.prenorm, ctx.from_sum = dropout_p, seed, prenorm, from_sum
         if prenorm:
             return y, s
         return y
 
     @staticmethod
     def backward(ctx, dy, *rest):
-        x, residual, weight, bias, x_bias, mean, rstd = ctx.saved_tensors
+        xs, residual, weight, bias, x_bias, mean, rstd, bits = ctx.saved_tensors
         ds = rest[0] if ctx.prenorm else None
         if dy is None:
-            dy = torch.zeros_like(x)
-        dx, dres, dw, db, dxb = _bwd_op(dy.contiguous(), None if ds is None else ds.contiguous(), x, residual,
-                                        weight, bias, x_bias, mean, rstd, ctx.dropout_p, ctx.seed)
+            dy = torch.zeros_like(xs)
+        dx, dres, dw, db, dxb = _bwd_op(dy.contiguous(), None if ds is None else ds.contiguous(), xs, residual,
+                                        weight, bias, x_bias, mean, rstd, ctx.dropout_p, ctx.seed, bits,
+                                        ctx.from_sum)
         if residual is None:
             dres = None
         elif dres.shape != residual.shape:

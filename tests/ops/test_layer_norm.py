@@ -107,6 +107,52 @@ def test_dropout_mask_fraction_and_reproducibility():
     assert torch.equal(a, c)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_post_ln_dropout_matches_masked_reference(dtype):
+    """Post-LN with dropout recomputes the sum and draws the mask again in its backward (Pre-LN, above, reads
+    the stored sum and the mask's bits); its forward and every gradient equal the masked reference."""
+    inputs = make_inputs((7, 200), dtype)
+    mask = dropout_mask(77, 7, 200, 0.1, DEVICE)
+    check_against_reference(inputs, dtype, prenorm=False, mask=mask, p=0.1, seed=77)
+
+
+@pytest.mark.parametrize("prenorm,p", [(True, 0.0), (True, 0.2), (False, 0.2)])
+def test_backward_reads_the_stored_sum_not_x(prenorm, p):
+    """Pre-LN keeps the pre-norm sum, not x, for the backward (x, a GEMM's output, can go), and its forward's
+    statistics are those of the sum as stored: y is LayerNorm of the returned (rounded) s. Post-LN keeps x."""
+    inputs = make_inputs((6, 96), torch.float16)
+    # around 100 the sum's fp16 rounding (up to 0.03) moves the statistics well beyond y's own rounding
+    inputs["residual"] = (inputs["residual"].detach() + 100).requires_grad_()
+    args = [inputs[k] for k in ("x", "residual", "weight", "bias")]
+    out = dropout_add_layer_norm(*args, 1e-5, x_bias=inputs["x_bias"], dropout_p=p, prenorm=prenorm, seed=3)
+    y = out[0] if prenorm else out
+    saved = y.grad_fn.saved_tensors
+    assert (saved[0].data_ptr() == inputs["x"].data_ptr()) != prenorm
+    if prenorm:
+        s = out[1]
+        assert saved[0].data_ptr() == s.data_ptr()
+        w, b = inputs["weight"].detach().float(), inputs["bias"].detach().float()
+        y_of_s = torch.nn.functional.layer_norm(s.detach().float(), (96,), w, b, 1e-5)
+        torch.testing.assert_close(y.detach().float(), y_of_s, rtol=0, atol=2e-3)  # fp16 output rounding
+
+
+def test_recomputed_backward_with_dropout_and_mixed_dtypes():
+    """An fp16 x with an fp32 residual (autocast) keeps the recomputing backward, which draws the mask again."""
+    inputs = make_inputs((5, 96), torch.float32)
+    inputs["x"] = inputs["x"].detach().half().requires_grad_()
+    mask = dropout_mask(11, 5, 96, 0.25, DEVICE).view(5, 96)
+    grads = [torch.randn(5, 96, generator=torch.Generator().manual_seed(2)).to(DEVICE)]
+    outs, dk = run(dropout_add_layer_norm, inputs, grads, dropout_p=0.25, seed=11)
+
+    def masked_ref(x, residual, weight, bias, eps, x_bias=None):
+        return dropout_add_layer_norm_ref((x + x_bias) * mask / 0.75, residual, weight, bias, eps)
+
+    outs_ref, dr = run(masked_ref, {k: v.double() for k, v in inputs.items()}, grads)
+    torch.testing.assert_close(outs[0].double(), outs_ref[0], rtol=2e-3, atol=2e-3)
+    for k in dk:
+        torch.testing.assert_close(dk[k].double(), dr[k].double(), rtol=2e-3, atol=2e-3)
+
+
 def test_p_zero_is_exactly_no_dropout():
     inputs = make_inputs((4, 64), torch.float32)
     args = [inputs[k] for k in ("x", "residual", "weight", "bias")]
@@ -137,7 +183,12 @@ def test_custom_op_and_torch_compile():
     inputs = make_inputs((3, 48), torch.float32)
     x, r, w, b, xb = (inputs[k].detach() for k in ("x", "residual", "weight", "bias", "x_bias"))
     torch.library.opcheck(torch.ops.fastbert.dropout_add_layer_norm_fwd.default,
-                          (x, r, w, b, 1e-5, xb, 0.2, torch.tensor([7], device=DEVICE), True))
+                          (x, r, w, b, 1e-5, xb, 0.2, torch.tensor([7], device=DEVICE), True, True))
+    y, s, mean, rstd, bits = torch.ops.fastbert.dropout_add_layer_norm_fwd(x, r, w, b, 1e-5, xb, 0.2,
+                                                                           torch.tensor([7], device=DEVICE), True, True)
+    torch.library.opcheck(torch.ops.fastbert.dropout_add_layer_norm_bwd.default,
+                          (torch.randn_like(y), torch.randn_like(s), s, r, w, b, xb, mean, rstd, 0.2,
+                           torch.tensor([7], device=DEVICE), bits, True))
 
     def f(x, r, w, b, xb):
         y, s = dropout_add_layer_norm(x, r, w, b, 1e-5, x_bias=xb, dropout_p=0.2, prenorm=True, seed=7)
