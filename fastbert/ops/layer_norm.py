@@ -109,9 +109,9 @@ def layer_norm_bwd_rows(s, dy, w, MEAN, RSTD, rows, row_mask, mask, N):
 def _ln_fwd_kernel(X, RES, XB, W, B, Y, S, BITS, MEAN, RSTD,
                    M, N, stride_x, stride_res, stride_y, stride_s, eps, threshold, scale, SEED,
                    HAS_RES: tl.constexpr, HAS_XB: tl.constexpr, HAS_B: tl.constexpr,
-                   HAS_DROPOUT: tl.constexpr, STORE_SUM: tl.constexpr, FOR_BACKWARD: tl.constexpr,
+                   HAS_DROPOUT: tl.constexpr, STORE_SUM: tl.constexpr, FROM_SUM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """FOR_BACKWARD (with STORE_SUM): the statistics of s as stored (rounded to S's dtype), and the dropout
+    """FROM_SUM (with STORE_SUM): the statistics of s as stored (rounded to S's dtype), and the dropout
     mask's bits stored into BITS, for the backward to read."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -124,7 +124,7 @@ def _ln_fwd_kernel(X, RES, XB, W, B, Y, S, BITS, MEAN, RSTD,
     if STORE_SUM:
         s_stored = s.to(S.dtype.element_ty)
         tl.store(S + rows64[:, None] * stride_s + cols[None, :], s_stored, mask=mask)
-        if FOR_BACKWARD:
+        if FROM_SUM:
             s = s_stored.to(tl.float32)
             if HAS_DROPOUT:
                 ptrs, bmask = _bits_ptrs(BITS, rows64, row_mask, N, BLOCK_N)
@@ -224,7 +224,7 @@ def layer_norm_fwd(x, residual, weight, bias, eps, x_bias, dropout_p, seed, stor
             m, n, x2.stride(0), res2.stride(0) if res2 is not None else 0, y.stride(0), n,
             eps, drop_threshold(dropout_p), 1.0 / (1.0 - dropout_p), seed,
             HAS_RES=res2 is not None, HAS_XB=x_bias is not None, HAS_B=bias is not None,
-            HAS_DROPOUT=dropout_p > 0.0, STORE_SUM=store_sum, FOR_BACKWARD=from_sum,
+            HAS_DROPOUT=dropout_p > 0.0, STORE_SUM=store_sum, FROM_SUM=from_sum,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     return y.view(x.shape), s.view(x.shape) if store_sum else s, mean, rstd, bits
 
