@@ -10,7 +10,9 @@ bf16; another ``--config`` keeps its own recipe, DeepSpeed and accumulation incl
 ``--active`` optimizer steps after ``--skip`` steps, and prints the step's wall time,
 the GPU's busy time in it, the top host (CPU) and device (CUDA) ops, and the number of
 device-to-host synchronisations per step (``cudaStreamSynchronize`` / ``cudaMemcpy`` D2H /
-``cudaEventSynchronize`` calls). Writes a Chrome trace to OUT/trace.json.
+``cudaEventSynchronize`` calls). Writes a Chrome trace to OUT/trace.json. The profiler slows some runs: the
+academic-budget command's step took a third longer profiled than unprofiled on an H100 (benchmarks/RESULTS.md,
+seventeenth session), so read its times as shares, not as the command's speed.
 """
 from __future__ import annotations
 
