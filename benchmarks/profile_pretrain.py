@@ -10,9 +10,9 @@ bf16; another ``--config`` keeps its own recipe, DeepSpeed and accumulation incl
 ``--active`` optimizer steps after ``--skip`` steps, and prints the step's wall time,
 the GPU's busy time in it, the top host (CPU) and device (CUDA) ops, and the number of
 device-to-host synchronisations per step (``cudaStreamSynchronize`` / ``cudaMemcpy`` D2H /
-``cudaEventSynchronize`` calls). Writes a Chrome trace to OUT/trace.json. The profiler slows some runs: the
-academic-budget command's step took a third longer profiled than unprofiled on an H100 (benchmarks/RESULTS.md,
-seventeenth session), so read its times as shares, not as the command's speed.
+``cudaEventSynchronize`` calls). Writes a Chrome trace to OUT/trace.json. The command's seq/s counts
+sequences, and a packed micro-batch row holds about 1.3 of them (Wikipedia at 128 tokens), so its step time is
+tokens / (tokens/s), not micro batch / (seq/s).
 """
 from __future__ import annotations
 
