@@ -47,25 +47,20 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-VARIANTS = {  # name: extra `fastbert pretrain` overrides
-    "default": [],                                     # what `fastbert pretrain` does unless told otherwise
-    "z0-pack": ["train.zero_stage=0"],
-    "z1-pack": ["train.zero_stage=1"],
-    "z2-pack": ["train.zero_stage=2"],
-    "z1-none": ["train.zero_stage=1", "data.packing=none"],
-    "z1-pack-noguard": ["train.zero_stage=1", "guard.enabled=false"],
-    "default-noguard": ["guard.enabled=false"],
-    "eager": ["train.cuda_graphs=false"],
-    "span1": ["data.pack_span=1"],                     # one row a packing bin (the layout before spans)
-    "fp8": ["train.precision=fp8"],
-    "no-sm90": [],                                     # the FFN without the sm_90 GELU GEMMs (VARIANT_ENV)
-    "no-graph-accum": [],                              # autograd adds each micro-batch's gradients (VARIANT_ENV)
-    "fp8-no-graph-accum": ["train.precision=fp8"],
-}
-VARIANT_ENV = {  # name: environment set for the command
-    "no-sm90": {"FASTBERT_GEMM_SM90": "0"},
-    "no-graph-accum": {"FASTBERT_GRAPH_ACCUMULATE": "0"},
-    "fp8-no-graph-accum": {"FASTBERT_GRAPH_ACCUMULATE": "0"},
+VARIANTS = {  # name: (extra `fastbert pretrain` overrides, environment set for the command)
+    "default": ([], {}),                                  # what `fastbert pretrain` does unless told otherwise
+    "z0-pack": (["train.zero_stage=0"], {}),
+    "z1-pack": (["train.zero_stage=1"], {}),
+    "z2-pack": (["train.zero_stage=2"], {}),
+    "z1-none": (["train.zero_stage=1", "data.packing=none"], {}),
+    "z1-pack-noguard": (["train.zero_stage=1", "guard.enabled=false"], {}),
+    "default-noguard": (["guard.enabled=false"], {}),
+    "eager": (["train.cuda_graphs=false"], {}),
+    "span1": (["data.pack_span=1"], {}),                   # one row a packing bin (the layout before spans)
+    "fp8": (["train.precision=fp8"], {}),
+    "no-sm90": ([], {"FASTBERT_GEMM_SM90": "0"}),          # the FFN without the sm_90 GELU GEMMs
+    "no-graph-accum": ([], {"FASTBERT_GRAPH_ACCUMULATE": "0"}),  # autograd adds each micro-batch's gradients
+    "fp8-no-graph-accum": (["train.precision=fp8"], {"FASTBERT_GRAPH_ACCUMULATE": "0"}),
 }
 FT_VARIANTS = {  # name: extra `fastbert finetune` flags
     "default": [],                                          # token-bucketed batches, CUDA graphs
@@ -121,8 +116,8 @@ def part_pretrain(args, res: dict) -> None:
         res["fastbert_bare_loop"] = hf_baseline(data, args.micro, steps=20, which="fastbert")
         print("fastbert model, bare loop:", res["fastbert_bare_loop"], flush=True)
     for name in filter(None, args.variants.split(",")):
-        r = pretrain_command(out / f"pt_{name}", data, args.steps, args.micro, VARIANTS[name],
-                             out / f"log_pt_{name}.txt", env=VARIANT_ENV.get(name))
+        r = pretrain_command(out / f"pt_{name}", data, args.steps, args.micro, VARIANTS[name][0],
+                             out / f"log_pt_{name}.txt", env=VARIANTS[name][1])
         res[f"fastbert_pretrain_{name}"] = r
         print(f"fastbert pretrain {name}:", {k: v for k, v in r.items() if k != "windows"}, flush=True)
         save(args, res)
@@ -130,8 +125,8 @@ def part_pretrain(args, res: dict) -> None:
     for n in counts:          # weak scaling: the same micro batch per GPU, the defaults otherwise
         for name in args.gpu_variants.split(","):   # and other ZeRO stages beside the defaults
             key = f"gpus{n}" + ("" if name == "default" else f"_{name}")
-            r = pretrain_command(out / f"pt_{key}", data, args.steps, args.micro, VARIANTS[name],
-                                 out / f"log_pt_{key}.txt", gpus=n)
+            r = pretrain_command(out / f"pt_{key}", data, args.steps, args.micro, VARIANTS[name][0],
+                                 out / f"log_pt_{key}.txt", gpus=n, env=VARIANTS[name][1])
             res[f"fastbert_pretrain_{key}"] = r
             print(f"fastbert pretrain on {n} GPU(s), {name}:", {k: v for k, v in r.items() if k != "windows"},
                   flush=True)
@@ -170,7 +165,7 @@ def part_large(args, res: dict) -> None:
         steps = max(30 // accum, 6) * 3      # logged windows of 3 steps; the first third is warm-up
         for name in filter(None, args.large_variants.split(",")):
             recipe(f"large_accum{accum}" + ("" if name == "default" else f"_{name}"), accum, hf, steps,
-                   VARIANTS[name], env=VARIANT_ENV.get(name))
+                   VARIANTS[name][0], env=VARIANTS[name][1])
     one = res.get(f"fastbert_pretrain_large_accum{accum}", {}).get("seq_per_s")
     for n in (int(g) for g in args.large_gpus.split(",") if g and int(g) > 1):
         # the recipe's global batch on n GPUs: the last accumulation's global batch, accumulation / n each
@@ -361,6 +356,10 @@ def main():
     p.add_argument("--ft-train", type=int, default=0, help="SST-2 training examples (0 = all 67,349)")
     p.add_argument("--ttq-steps", type=int, default=3000, help="time-to-quality steps (small preset, batch 256)")
     args = p.parse_args()
+    unknown = [n for v in (args.variants, args.gpu_variants, args.large_variants) for n in v.split(",")
+               if n and n not in VARIANTS]
+    if unknown:  # before HF's baseline runs, not after it
+        p.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     import torch
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -38,12 +38,25 @@ def test_a_variants_environment_reaches_the_command(tmp_path):
     import os
     import sys
 
-    from benchmarks.real_paths import VARIANT_ENV, VARIANTS
+    from benchmarks.real_paths import VARIANTS
     from gpu_pretrain_check import run_logged
-    assert set(VARIANT_ENV) <= set(VARIANTS) and VARIANT_ENV["no-sm90"] == {"FASTBERT_GEMM_SM90": "0"}
+    assert VARIANTS["no-sm90"] == ([], {"FASTBERT_GEMM_SM90": "0"})
     log = tmp_path / "log.txt"
     cmd = [sys.executable, "-c", "import os; print('sm90=' + os.environ.get('FASTBERT_GEMM_SM90', 'unset'))"]
-    ok, _ = run_logged(cmd, log, VARIANT_ENV["no-sm90"])
+    ok, _ = run_logged(cmd, log, VARIANTS["no-sm90"][1])
     assert ok and "sm90=0" in log.read_text()
     ok, _ = run_logged(cmd, log)  # without the variant: this process's environment, unchanged
     assert ok and ("sm90=" + os.environ.get("FASTBERT_GEMM_SM90", "unset")) in log.read_text()
+
+
+def test_an_unknown_variant_stops_before_any_run(tmp_path):
+    """A misspelt variant is one clear error at the start, not a KeyError after HF's baseline has run."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "real_paths.py"
+    r = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "o"), "--large-variants", "default,nope"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "unknown variants ['nope']" in r.stderr and "no-sm90" in r.stderr
+    assert not (tmp_path / "o").exists()
