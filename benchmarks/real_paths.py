@@ -60,6 +60,7 @@ VARIANTS = {  # name: (extra `fastbert pretrain` overrides, environment set for 
     "fp8": (["train.precision=fp8"], {}),
     "no-sm90": ([], {"FASTBERT_GEMM_SM90": "0"}),          # the FFN without the sm_90 GELU GEMMs
     "no-graph-accum": ([], {"FASTBERT_GRAPH_ACCUMULATE": "0"}),  # autograd adds each micro-batch's gradients
+    "no-qkv-fused": ([], {"FASTBERT_QKV_ATTENTION": "0"}),  # the QKV projection and attention as two ops
     "fp8-no-graph-accum": (["train.precision=fp8"], {"FASTBERT_GRAPH_ACCUMULATE": "0"}),
 }
 FT_VARIANTS = {  # name: extra `fastbert finetune` flags

@@ -95,11 +95,10 @@ def layer(ops, x, w: LayerWeights, cu_seqlens, max_seqlen: int, rows: Rows | Non
     def attention(h):  # -> (output, probs, h for the residual)
         tokens = h.shape[0]
         p = dropout.attention
-        if w.fp8 is not None and ops.fp8_qkv_attention is not None and not output_attentions and \
-                (rows is None or not rows.num_extra):  # the attention backward writes the FP8 gradient operands
-            history, first = w.fp8
-            ctx, h = ops.fp8_qkv_attention(h, w.qkv_weight, w.qkv_bias, history, first, nh, cu_seqlens, max_seqlen,
-                                           dropout_p=p, softmax_scale=softmax_scale)
+        if ops.qkv_attention is not None and not output_attentions and (rows is None or not rows.num_extra):
+            # one op: the attention backward writes the bias gradient (with FP8, the gradient's FP8 operands)
+            ctx, h = ops.qkv_attention(h, w.qkv_weight, w.qkv_bias, nh, cu_seqlens, max_seqlen, dropout_p=p,
+                                       softmax_scale=softmax_scale, fp8=w.fp8)
             return linear(ctx.reshape(tokens, nh * hd), w.attention_out_weight, None, 1)[0], None, h
         qkv, h = linear(h, w.qkv_weight, w.qkv_bias, 0)
         qkv = qkv.view(tokens, 3, nh, hd)  # (T, 3, nh, hd)

@@ -7,6 +7,7 @@ it raises an error that says to ``pip install triton`` or use ``kernels="torch"`
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -36,8 +37,9 @@ class Ops(NamedTuple):
     mlm_loss: Callable
     attention_qkvpacked: Callable  # attention on one (T, 3, nh, hd) tensor, gradient packed too
     linear_residual: Callable  # (F.linear(x, w, b), x): the residual's gradient joins dx inside its GEMM
-    # FP8 QKV projection + attention as one op (its backward writes the FP8 gradient operands), or None
-    fp8_qkv_attention: Optional[Callable] = None
+    # the QKV projection + attention_qkvpacked as one op (its backward writes the bias gradient, or with FP8 the
+    # gradient's FP8 operands), or None: the model composes linear_residual and attention_qkvpacked
+    qkv_attention: Optional[Callable] = None
 
 
 def get_ops(kernels: str) -> Ops:
@@ -56,13 +58,15 @@ def get_ops(kernels: str) -> Ops:
         from fastbert.ops.attention import varlen_attention, varlen_attention_qkvpacked
         from fastbert.ops.embeddings import bert_embeddings, bert_embeddings_ref
         from fastbert.ops.ffn import ffn
-        from fastbert.ops.fp8_attention import fp8_qkv_attention
         from fastbert.ops.layer_norm import dropout_add_layer_norm
         from fastbert.ops.linear import linear_residual
         from fastbert.ops.mlm_loss import sparse_mlm_loss
+        from fastbert.ops.qkv_attention import qkv_attention
         # The fused embedding backward accumulates with atomics (not bitwise run to run): deterministic mode
         # (torch.use_deterministic_algorithms) takes the reference, whose index_add is deterministic there.
         embeddings = bert_embeddings_ref if torch.are_deterministic_algorithms_enabled() else bert_embeddings
+        # FASTBERT_QKV_ATTENTION=0: the model composes the QKV projection and attention (benchmarks compare both)
+        fused_qkv = qkv_attention if os.environ.get("FASTBERT_QKV_ATTENTION", "") != "0" else None
         return Ops(embeddings, dropout_add_layer_norm, ffn, varlen_attention, sparse_mlm_loss,
-                   varlen_attention_qkvpacked, linear_residual, fp8_qkv_attention)
+                   varlen_attention_qkvpacked, linear_residual, fused_qkv)
     raise ValueError(f"unknown kernels={kernels!r}; use 'torch' or 'triton'")

@@ -150,25 +150,27 @@ def _stored_keep_t(mask_base, rows, col0, COLS: tl.constexpr, stride_mask_t, row
 
 @triton.jit
 def _store_grad(P, x, start64, head, stride_t, stride_h, rows, offs_d, row_mask, mask_d, scale,
-                FP8_OUT: tl.constexpr, HW: tl.constexpr):
+                FP8_OUT: tl.constexpr, COLSUMS: tl.constexpr, HW: tl.constexpr):
     """Store the fp32 gradient tile ``x`` (rows ``rows`` of a sequence starting at token ``start64``, one head)
     of a ``(T, .., nh, hd)`` tensor P in P's dtype; with FP8_OUT as e5m2 codes of ``x * scale`` (P: bytes), the
-    QKV projection's input-gradient operand (``fp8_attention``; its transpose is a pass of its own,
+    QKV projection's input-gradient operand (``qkv_attention``; its transpose is a pass of its own,
     ``fp8.transpose_codes``: stored from here, byte by byte at a sequence's unaligned start, it cost more than
-    the whole cast it replaces). Returns the tile's finite amax and column sums with FP8_OUT (its amax-history
-    entry and its share of the bias gradient), else zeros."""
+    the whole cast it replaces). Returns the tile's finite amax with FP8_OUT (its amax-history entry), else 0,
+    and with COLSUMS (FP8_OUT sets it too) the tile's fp32 column sums (its share of the bias gradient), else
+    zeros."""
     ptrs = P + start64 * stride_t + head * stride_h + rows[:, None] * stride_t + offs_d[None, :]
     mask = row_mask[:, None] & mask_d[None, :]
-    if FP8_OUT:
+    amax = 0.0
+    sums = offs_d * 0.0
+    if COLSUMS:
         x = tl.where(mask, x, 0.0)
-        amax = finite_amax_of(tl.abs(x))
         sums = tl.sum(x, 0)
+    if FP8_OUT:
+        amax = finite_amax_of(tl.abs(x))
         codes = _fp8_codes(x * scale, _E5M2_MAX, True, HW)  # saturated to e5m2's largest finite value
         tl.store(ptrs, codes.to(tl.uint8), mask=mask)
     else:
         tl.store(ptrs, x.to(P.dtype.element_ty), mask=mask)
-        amax = 0.0
-        sums = offs_d * 0.0
     return amax, sums
 
 
@@ -176,13 +178,6 @@ def _store_grad(P, x, start64, head, stride_t, stride_h, rows, offs_d, row_mask,
 def _store_part(PARTS, part_row, stride_part, col0, sums, offs_d, mask_d):
     """Store a program's column sums of one head's gradient (columns col0 + offs_d) into its partial row."""
     tl.store(PARTS + part_row.to(tl.int64) * stride_part + col0 + offs_d, sums, mask=mask_d)
-
-
-@triton.jit
-def _fp8_finish(HIST, cur, amax, PARTS, part_row, stride_part, col0, sums, offs_d, mask_d):
-    """Fold a program's amax into the history's current slot; store its (last) column sums (``_store_part``)."""
-    tl.atomic_max(HIST + cur, amax)
-    _store_part(PARTS, part_row, stride_part, col0, sums, offs_d, mask_d)
 
 
 @triton.jit(do_not_specialize=_PER_BATCH + ["max_seqlen", "threshold"])
@@ -264,7 +259,7 @@ def _bwd_dkdv_kernel(
     HIST, STEP, SCALE_INV, PARTS, stride_part,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED_DQ: tl.constexpr,
-    FP8_OUT: tl.constexpr, HW: tl.constexpr, HISTORY_LEN: tl.constexpr,
+    FP8_OUT: tl.constexpr, COLSUMS: tl.constexpr, HW: tl.constexpr, HISTORY_LEN: tl.constexpr,
 ):
     """One program = one block of BLOCK_N keys of one (sequence, head), looping over its queries in blocks
     of BLOCK_M. The scores are computed key-major (S^T = K Q^T), so P^T and dS^T feed the dV and dK GEMMs
@@ -276,9 +271,9 @@ def _bwd_dkdv_kernel(
     raised illegal memory accesses on the H100 with Triton 3.6) and computes delta = rowsum(O * dO) from O;
     one launch, no atomics, K and V read once. Otherwise DELTA comes from the dQ kernel, which ran first.
 
-    FP8_OUT: the gradients go out as e5m2 codes scaled from the amax history row HIST, with the amax and the
-    bias gradient's partial column sums (``_store_grad``, PARTS row ``pid_n * batch + seq``), instead of in Q's
-    dtype.
+    FP8_OUT: the gradients go out as e5m2 codes scaled from the amax history row HIST, with their amax, instead
+    of in Q's dtype. COLSUMS (set with FP8_OUT): also the bias gradient's partial column sums (``_store_grad``,
+    PARTS row ``pid_n * batch + seq``).
     """
     pid_n = tl.program_id(0)
     seq = tl.program_id(1)
@@ -341,23 +336,24 @@ def _bwd_dkdv_kernel(
         if FUSED_DQ:
             dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION) * softmax_scale  # (BLOCK_M, BLOCK_D)
             tile_amax, sums = _store_grad(DQ, dq, start64, head, stride_dqt, stride_dqh, rows, offs_d,
-                                          mask_m, mask_d, scale, FP8_OUT, HW)
+                                          mask_m, mask_d, scale, FP8_OUT, COLSUMS, HW)
             amax = tl.maximum(amax, tile_amax)
             dq_sums += sums
 
     dk = dk * softmax_scale
     dk_amax, dk_sums = _store_grad(DK, dk, start64, head, stride_dkt, stride_dkh, offs_n, offs_d,
-                                   mask_n, mask_d, scale, FP8_OUT, HW)
+                                   mask_n, mask_d, scale, FP8_OUT, COLSUMS, HW)
     dv_amax, dv_sums = _store_grad(DV, dv, start64, head, stride_dvt, stride_dvh, offs_n, offs_d,
-                                   mask_n, mask_d, scale, FP8_OUT, HW)
-    if FP8_OUT:
+                                   mask_n, mask_d, scale, FP8_OUT, COLSUMS, HW)
+    if COLSUMS:
         part_row = pid_n * tl.num_programs(1) + seq
         cols = stride_part // 3  # nh * hd: q's, k's and v's columns
         if FUSED_DQ:
             _store_part(PARTS, part_row, stride_part, head * stride_dkh, dq_sums, offs_d, mask_d)
         _store_part(PARTS, part_row, stride_part, cols + head * stride_dkh, dk_sums, offs_d, mask_d)
-        _fp8_finish(HIST, cur, tl.maximum(amax, tl.maximum(dk_amax, dv_amax)), PARTS, part_row, stride_part,
-                    2 * cols + head * stride_dvh, dv_sums, offs_d, mask_d)
+        _store_part(PARTS, part_row, stride_part, 2 * cols + head * stride_dvh, dv_sums, offs_d, mask_d)
+    if FP8_OUT:
+        tl.atomic_max(HIST + cur, tl.maximum(amax, tl.maximum(dk_amax, dv_amax)))
 
 
 @triton.jit(do_not_specialize=_PER_BATCH)
@@ -369,13 +365,13 @@ def _bwd_dq_kernel(
     HIST, STEP, PARTS, stride_part,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8_OUT: tl.constexpr, HW: tl.constexpr, HISTORY_LEN: tl.constexpr,
+    FP8_OUT: tl.constexpr, COLSUMS: tl.constexpr, HW: tl.constexpr, HISTORY_LEN: tl.constexpr,
 ):
     """One program = one block of BLOCK_M queries of one (sequence, head), looping over its keys.
 
     It also computes and stores ``delta = rowsum(O * dO)`` (fp32), the softmax-backward row term
     the dK/dV kernel reads, which therefore runs after this one: no separate preprocess pass.
-    FP8_OUT: dQ as the dK/dV kernel's FP8_OUT writes it (PARTS row ``pid_m * batch + seq``).
+    FP8_OUT, COLSUMS: dQ as the dK/dV kernel's write it (PARTS row ``pid_m * batch + seq``).
     """
     pid_m = tl.program_id(0)
     seq = tl.program_id(1)
@@ -427,10 +423,11 @@ def _bwd_dq_kernel(
     else:
         scale, cur = 1.0, 0
     amax, sums = _store_grad(DQ, dq, start64, head, stride_dqt, stride_dqh, offs_m, offs_d, mask_m,
-                             mask_d, scale, FP8_OUT, HW)
+                             mask_d, scale, FP8_OUT, COLSUMS, HW)
+    if COLSUMS:
+        _store_part(PARTS, pid_m * tl.num_programs(1) + seq, stride_part, head * stride_dqh, sums, offs_d, mask_d)
     if FP8_OUT:
-        _fp8_finish(HIST, cur, amax, PARTS, pid_m * tl.num_programs(1) + seq, stride_part, head * stride_dqh, sums,
-                    offs_d, mask_d)
+        tl.atomic_max(HIST + cur, amax)
 
 
 # ============================================================================ host wrappers
@@ -491,12 +488,14 @@ def _short_bwd_blocks(head_dim: int, max_seqlen: int):
     return [64, 128] if block == 128 else [block]
 
 
-def fp8_output_pays(head_dim: int, max_seqlen: int) -> bool:
-    """Whether the backward writing the QKV projection's FP8 operands itself (``_backward_packed(..., fp8=...)``)
-    beat the 16-bit backward + the cast pass on an H100: on the two-kernel path, longer sequences. B=32 H=16
-    S=512 p=0.1: 602 vs 683 us full rows, 351 vs 387 at 60% fill; on the fused short kernel (one program a
-    (sequence, head), its epilogue exposed) B=128 S=128 p=0.1: 278 vs 292 full rows, but 192 vs 185 at 60% fill
-    (benchmarks/RESULTS.md, twelfth session)."""
+def extras_pay(head_dim: int, max_seqlen: int) -> bool:
+    """Whether the backward writing what the QKV projection's backward needs besides dqkv itself (its FP8 operands,
+    ``_backward_packed(..., fp8=...)``, or the bias gradient's sums, ``colsums=True``) beat the 16-bit backward + a
+    pass over dqkv on an H100: on the two-kernel path, longer sequences. B=32 H=16 S=512 p=0.1: FP8 602 vs 683 us
+    full rows, 351 vs 387 at 60% fill (twelfth session); sums 584.7 vs 617.5 us with the bias GEMM (eighteenth). On
+    the fused short kernel (one program a (sequence, head) at the register cap, one at a time on an SM, its
+    epilogue's reductions exposed) B=128 S=128 p=0.1: FP8 278 vs 292 full rows, but 192 vs 185 at 60% fill; sums
+    236.1 vs 228.6 full rows, 259.9 vs 268.2 at lengths 20-128 (benchmarks/RESULTS.md)."""
     return _short_bwd_blocks(head_dim, max_seqlen) is None
 
 
@@ -563,9 +562,11 @@ def varlen_attention_backward(dout, q, k, v, out, lse, mask, cu_seqlens, max_seq
 
 
 def _backward_packed(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen: int, dropout_p: float,
-                     softmax_scale: float, fp8=None):
+                     softmax_scale: float, fp8=None, colsums: bool = False):
     """The gradients as one ``(T, 3, nh, hd)`` tensor (custom ops may not return aliasing outputs).
 
+    ``colsums``: ``(dqkv, its fp32 column sums)``, the sums (the QKV projection's bias gradient) taken by the
+    kernels from their fp32 accumulators, a row of partial sums a program (``_Extras``).
     ``fp8`` = (history, row): the gradients instead as the QKV projection's FP8 backward wants them, with
     the cast ``fp8.cast_fp8`` would make of the ``(T, 3 nh hd)`` gradient written by the kernels themselves:
     ``(e5m2 codes, their transpose, scale_inv, fp32 column sums)``, the amax recorded in ``history``'s row
@@ -577,48 +578,53 @@ def _backward_packed(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen: int,
     dq, dk, dv = dqkv.unbind(1)  # (T, nh, hd) each
     batch = cu_seqlens.shape[0] - 1
     blocks = _short_bwd_blocks(head_dim, max_seqlen)
-    fp8_out = None
-    if fp8:  # a partial-sum row per program along the sequence: 1 (short path), else the dQ / dK/dV grids' longer
+    extras = None
+    if fp8 or colsums:  # a partial-sum row per program along the sequence: 1 (short path), else the longer grid's
         tiles = 1 if blocks is not None else triton.cdiv(max_seqlen, min(
             _launch_config("dq", head_dim, max_seqlen, q.device)[0],
             _launch_config("dkdv", head_dim, max_seqlen, q.device)[1]))
-        fp8_out = _Fp8Outputs(fp8, dqkv, tiles * batch)
+        extras = _Extras(fp8, dqkv, tiles * batch)
     empty = total == 0 or batch == 0 or max_seqlen == 0
     if not empty:
         _launch_backward(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen, dropout_p, softmax_scale,
-                         (dq, dk, dv), blocks, fp8_out)
-    return fp8_out.result() if fp8 else dqkv
+                         (dq, dk, dv), blocks, extras)
+    if fp8:
+        codes = dqkv.view(total, -1).view(E5M2)
+        return codes, transpose_codes(codes), extras.scale_inv, extras.sums()
+    return (dqkv, extras.sums()) if colsums else dqkv
 
 
-class _Fp8Outputs:
-    """The FP8 backward's outputs besides the codes (``_backward_packed``'s ``fp8``): scale_inv and the column
-    sums' partial rows (the kernels' FP8 arguments), then the transposed codes ``(3 nh hd, T)`` and the sums."""
+class _Extras:
+    """What the backward writes besides the gradient (``_backward_packed``'s ``colsums`` or ``fp8``): the column
+    sums' partial rows and, with ``fp8``, scale_inv and the amax (the kernels' trailing arguments)."""
 
     def __init__(self, fp8, dqkv, part_rows: int):
-        history, row = fp8
         total, _, nheads, head_dim = dqkv.shape
         width = 3 * nheads * head_dim
-        self.codes = dqkv.view(total, width)
-        self.scale_inv = torch.ones((), dtype=torch.float32, device=dqkv.device)  # kept where no program runs
+        self.fp8 = fp8 is not None
         self.parts = torch.zeros((part_rows, width), dtype=torch.float32, device=dqkv.device)
-        self.kernel_args = (history.amax[row], history.step, self.scale_inv, self.parts, width)
+        if fp8:
+            history, row = fp8
+            self.scale_inv = torch.ones((), dtype=torch.float32, device=dqkv.device)  # kept where no program runs
+            self.kernel_args = (history.amax[row], history.step, self.scale_inv, self.parts, width)
+        else:  # the FP8 pointers unused
+            self.kernel_args = (self.parts, self.parts, self.parts, self.parts, width)
 
-    def result(self):
-        db = sum_partials(self.parts.view(-1, 1, self.parts.shape[1]), [torch.float32])[0]
-        codes = self.codes.view(E5M2)
-        return codes, transpose_codes(codes), self.scale_inv, db
+    def sums(self):
+        return sum_partials(self.parts.view(-1, 1, self.parts.shape[1]), [torch.float32])[0]
 
 
 def _launch_backward(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen, dropout_p, softmax_scale, grads,
-                     blocks, fp8_out):
-    """Launch the backward kernels writing ``grads`` = (dq, dk, dv) (bytes with ``fp8_out``)."""
+                     blocks, extras):
+    """Launch the backward kernels writing ``grads`` = (dq, dk, dv) (bytes with FP8 ``extras``) and ``extras``
+    (``_Extras`` or None)."""
     dq, dk, dv = grads
     total, nheads, head_dim = q.shape
     batch = cu_seqlens.shape[0] - 1
-    consts = dict(_kernel_constants(q, dropout_p), FP8_OUT=fp8_out is not None, HW=not INTERPRET,
-                  HISTORY_LEN=HISTORY)
-    # hist, step, scale_inv, parts, stride_part (unused pointers and 0 without FP8)
-    fp8_kv = fp8_out.kernel_args if fp8_out is not None else (lse, lse, lse, lse, 0)
+    consts = dict(_kernel_constants(q, dropout_p), FP8_OUT=extras is not None and extras.fp8,
+                  COLSUMS=extras is not None, HW=not INTERPRET, HISTORY_LEN=HISTORY)
+    # hist, step, scale_inv, parts, stride_part (unused pointers and 0 without extras)
+    fp8_kv = extras.kernel_args if extras is not None else (lse, lse, lse, lse, 0)
     common = (lse.stride(0), *_mask_strides(mask), softmax_scale * _LOG2E, softmax_scale,
               _dropout_args(dropout_p)[1])
     strides_in = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -665,11 +671,24 @@ _fwd_op = register_op(
     "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, SymInt max_seqlen, float dropout_p, float softmax_scale, "
     "Tensor? seed) -> (Tensor, Tensor, Tensor)",
     varlen_attention_forward, _fwd_fake)
-_bwd_op = register_op(
-    "varlen_attention_bwd",
-    "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor mask, Tensor cu_seqlens, "
-    "SymInt max_seqlen, float dropout_p, float softmax_scale) -> Tensor",
-    _backward_packed, _bwd_fake)
+_BWD_ARGS = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor mask, Tensor cu_seqlens, "
+             "SymInt max_seqlen, float dropout_p, float softmax_scale)")
+_bwd_op = register_op("varlen_attention_bwd", _BWD_ARGS + " -> Tensor", _backward_packed, _bwd_fake)
+
+
+def _backward_colsums(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen, dropout_p, softmax_scale):
+    """``(dqkv, its fp32 column sums)``: ``_backward_packed(..., colsums=True)``."""
+    return _backward_packed(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen, dropout_p, softmax_scale,
+                            colsums=True)
+
+
+def _bwd_colsums_fake(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen, dropout_p, softmax_scale):
+    total, nheads, head_dim = q.shape
+    return q.new_empty((total, 3, nheads, head_dim)), q.new_empty((3 * nheads * head_dim,), dtype=torch.float32)
+
+
+bwd_colsums_op = register_op("varlen_attention_bwd_colsums", _BWD_ARGS + " -> (Tensor, Tensor)", _backward_colsums,
+                             _bwd_colsums_fake)
 
 
 # ============================================================================ autograd + entry point

@@ -256,8 +256,8 @@ def test_custom_ops_pass_opcheck_and_compile():
         torch.library.opcheck(torch.ops.fastbert.varlen_attention_fwd.default, (q, k, v, cu, 20, p, 0.2, s))
         out, lse, mask = attn.varlen_attention_forward(q, k, v, cu, 20, p, 0.2, s)
         assert mask.shape == ((2, 28, 2) if p else (0,)) and mask.dtype == torch.int32
-        torch.library.opcheck(torch.ops.fastbert.varlen_attention_bwd.default,
-                              (torch.randn_like(out), q, k, v, out, lse, mask, cu, 20, p, 0.2))
+        for op in (torch.ops.fastbert.varlen_attention_bwd, torch.ops.fastbert.varlen_attention_bwd_colsums):
+            torch.library.opcheck(op.default, (torch.randn_like(out), q, k, v, out, lse, mask, cu, 20, p, 0.2))
 
     def f(x):
         return varlen_attention(*x.unbind(1), cu, 20, dropout_p=0.1, seed=5)

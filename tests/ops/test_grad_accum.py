@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from fastbert.ops import cublaslt, grad_accum
+from fastbert.ops._common import HAS_TRITON
 from fastbert.ops.ffn import ffn
 from fastbert.ops.linear import linear_residual
+from fastbert.ops.qkv_attention import qkv_attention
 from ops_testing import DEVICE
 
 gpu = pytest.mark.gpu
@@ -70,6 +72,24 @@ def test_ffn_adds_its_weight_gradients_into_the_buffers(which):
             torch.testing.assert_close(buffers[i], 0.5 + want[i], rtol=1e-6, atol=1e-6)
         else:
             torch.testing.assert_close(got[i], want[i], rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (the attention kernels)")
+def test_qkv_attention_adds_its_weight_gradient_into_the_buffer():
+    x, w, b = leaves((24, 32), (96, 32), (96,))
+    cu = torch.tensor([0, 10, 24], dtype=torch.int32, device=DEVICE)
+
+    def f(*t):
+        ctx, passed = qkv_attention(*t, 2, cu, 14)
+        return ctx, passed
+
+    want = grads_of(f, (x, w, b))
+    buf = torch.full(w.shape, 0.5, device=DEVICE)
+    got = grads_of(f, (x, w, b), {1: buf})
+    assert got[1] is None
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)  # dx and the bias: unchanged
+    torch.testing.assert_close(got[2], want[2], rtol=0, atol=0)
+    torch.testing.assert_close(buf, 0.5 + want[1], rtol=1e-6, atol=1e-6)
 
 
 def test_no_buffer_outside_the_context_and_for_other_tensors():
