@@ -19,7 +19,7 @@ from fastbert.ops._common import HAS_TRITON
 from fastbert.ops.fp8 import E5M2, AmaxHistory, cast_fp8_ref, fp8_linear
 from fastbert.ops.linear import linear_residual
 from fastbert.ops.qkv_attention import qkv_attention
-from ops_testing import DEVICE
+from ops_testing import DEVICE, assert_compiled_matches_eager
 from test_fp8 import BWD_BOUND, FWD_BOUND, rel
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -147,6 +147,20 @@ def test_qkv_attention_matches_its_composition(lens, dtype, p, monkeypatch):
     ctx, grads, _ = run_16bit_block(True, x, w, b, cu, max(lens), nh, p, bias_grad=False)
     assert len(sums) == (max(lens) > 128) and grads[2] is None
     assert torch.equal(grads[0], grads_ref[0]) and torch.equal(grads[1], grads_ref[1])
+
+
+@pytest.mark.parametrize("lens", [[20, 7], [150, 33]], ids=["short", "long"])
+def test_qkv_attention_under_torch_compile(lens):
+    """16-bit op (both backward ways: the bias GEMM, the kernels' sums) under ``torch.compile(fullgraph=True)``:
+    the eager loss and gradients (no dropout: the eager and compiled calls draw no seed)."""
+    nh, hd = 2, 16
+    cu, x, w, b = block_inputs(lens, nh, hd, torch.float32)
+
+    def f(x, w, b):
+        ctx, res = qkv_attention(x, w, b, nh, cu, max(lens))
+        return (ctx.float() ** 2).sum() + res.sum()
+
+    assert_compiled_matches_eager(f, (x, w, b))
 
 
 def test_qkv_attention_falls_back_outside_the_autocast_dtype(monkeypatch):
