@@ -45,7 +45,7 @@ def _keep(ctx, weight, num_heads: int, args: tuple):
 
 def _heads(qkv, num_heads: int):
     """q, k, v: ``(T, nh, hd)`` views of the projection's ``(T, 3 nh hd)`` output."""
-    return qkv.view(qkv.shape[0], 3, num_heads, -1).unbind(1)
+    return qkv.view(qkv.shape[0], 3, num_heads, qkv.shape[1] // (3 * num_heads)).unbind(1)  # no -1: T may be 0
 
 
 class _QkvAttention(torch.autograd.Function):

@@ -115,7 +115,7 @@ def run_16bit_block(fused, x, w, b, cu, max_len, nh, p, bias_grad=True):
     else:
         qkv, res = linear_residual(*leaves)
         qkv.register_hook(seen.append)
-        ctx = A.varlen_attention_qkvpacked(qkv.view(x.shape[0], 3, nh, -1), cu, max_len, p, seed=7)
+        ctx = A.varlen_attention_qkvpacked(qkv.view(x.shape[0], 3, nh, x.shape[1] // nh), cu, max_len, p, seed=7)
     dctx = (torch.randn(ctx.shape, generator=torch.Generator().manual_seed(2)) * 1e-2).to(DEVICE, ctx.dtype)
     torch.autograd.backward([ctx, res], [dctx, torch.full_like(res, 1e-3)])
     return ctx, [t.grad for t in leaves], seen
@@ -123,7 +123,7 @@ def run_16bit_block(fused, x, w, b, cu, max_len, nh, p, bias_grad=True):
 
 @pytest.mark.parametrize("p", [0.0, 0.1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("lens", [[40, 100, 7], [150, 33, 9]], ids=["short", "long"])
+@pytest.mark.parametrize("lens", [[40, 100, 7], [150, 33, 9], [0, 0]], ids=["short", "long", "no-tokens"])
 def test_qkv_attention_matches_its_composition(lens, dtype, p, monkeypatch):
     """16/32-bit: the context, dx and dW to the bit (the same GEMMs and kernels, dropout's seed drawn alike). d(bias):
     over 128 tokens the kernels' fp32 sums of dqkv (``assert_sums_close`` against the composition's dqkv; its own
