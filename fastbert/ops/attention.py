@@ -589,7 +589,7 @@ def _backward_packed(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen: int,
         _launch_backward(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen, dropout_p, softmax_scale,
                          (dq, dk, dv), blocks, extras)
     if fp8:
-        codes = dqkv.view(total, -1).view(E5M2)
+        codes = dqkv.view(total, 3 * nheads * head_dim).view(E5M2)  # no -1: T may be 0
         return codes, transpose_codes(codes), extras.scale_inv, extras.sums()
     return (dqkv, extras.sums()) if colsums else dqkv
 
@@ -599,7 +599,7 @@ class _Extras:
     sums' partial rows and, with ``fp8``, scale_inv and the amax (the kernels' trailing arguments)."""
 
     def __init__(self, fp8, dqkv, part_rows: int):
-        total, _, nheads, head_dim = dqkv.shape
+        _, _, nheads, head_dim = dqkv.shape
         width = 3 * nheads * head_dim
         self.fp8 = fp8 is not None
         self.parts = torch.zeros((part_rows, width), dtype=torch.float32, device=dqkv.device)

@@ -85,6 +85,21 @@ def test_backward_sums_the_bias_gradient(lens, dtype, p):
     assert_sums_close(db, dqkv.view(dqkv.shape[0], -1), dtype)
 
 
+def test_backward_extras_of_no_tokens():
+    """A batch of no tokens: the sums are zeros, the FP8 codes and their transpose empty, as for any batch."""
+    nh, hd = 2, 16
+    cu, qkv, dout = packed([0, 0], nh, hd, torch.float32, seed=0)
+    q, k, v = qkv.unbind(1)
+    out, lse, mask = A.varlen_attention_forward(q, k, v, cu, 0, 0.0, hd ** -0.5, None)
+    args = (dout, q, k, v, out, lse, mask, cu, 0, 0.0, hd ** -0.5)
+    dqkv, db = A._backward_packed(*args, colsums=True)
+    assert dqkv.shape == (0, 3, nh, hd) and torch.equal(db, torch.zeros(3 * nh * hd, device=DEVICE))
+    hist = AmaxHistory(1, DEVICE)
+    hist.advance()
+    g8, g8t, _, db8 = A._backward_packed(*args, fp8=(hist, 0))
+    assert g8.shape == (0, 3 * nh * hd) and g8t.shape == (3 * nh * hd, 0) and not db8.any()
+
+
 def assert_sums_close(db, d2, dtype, rounded_sum=False):
     """``db`` (fp32 sums of unrounded values) against the column sums of ``d2`` (those values rounded to ``dtype``):
     at most half an ulp of ``dtype`` a summed element, plus the fp32 sums' own rounding, plus (``rounded_sum``:
