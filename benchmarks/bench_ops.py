@@ -277,26 +277,28 @@ def bench_block(k, compile_):
 
 # ----------------------------------------------------------------------------- FFN GEMMs with GELU epilogues (sm_90)
 def _sm90_checks(gemm_sm90, m, k, n, g, tag):
-    """Every launch shape's z, y and dz against float64, beside torch's bf16 error on the same inputs."""
+    """Every launch shape's y = gelu(z), g = gelu'(z) and dz = (d @ w2) * g against float64, beside torch's bf16
+    error on the same inputs."""
     x, w, b = randn(m, k, g=g), randn(n, k, g=g, scale=k ** -0.5), randn(n, g=g, scale=0.1)
     d, w2 = randn(m, k, g=g), randn(k, n, g=g, scale=n ** -0.5)
     z_ref = F.linear(x.double(), w.double(), b.double())
     z_t = F.linear(x, w, b)
-    dz_ref = (d.double() @ w2.double()) * gelu_grad_ref(z_t.double())
-    dz_t = ((d @ w2).float() * gelu_grad_ref(z_t)).to(DT)
+    g_t = gelu_grad_ref(z_t).to(DT)  # the derivative as the backward reads it
+    dz_ref = (d.double() @ w2.double()) * g_t.double()
+    dz_t = ((d @ w2).float() * g_t.float()).to(DT)
     for v in range(gemm_sm90.variants()):
         gemm_sm90.VARIANT.update(bias_gelu=v, dgelu=v)
-        y, z = gemm_sm90.bias_gelu(x, w, b)
-        check(f"sm90 v{v} {tag} z", z, z_t, z_ref)
+        y, gz = gemm_sm90.bias_gelu(x, w, b)
         check(f"sm90 v{v} {tag} y", y, F.gelu(z_t), F.gelu(z_ref))
-        dz, db = gemm_sm90.dgelu(d, w2, z_t)
+        check(f"sm90 v{v} {tag} gelu'(z)", gz, g_t, gelu_grad_ref(z_ref))
+        dz, db = gemm_sm90.dgelu(d, w2, g_t)
         check(f"sm90 v{v} {tag} dz", dz, dz_t, dz_ref)
         check(f"sm90 v{v} {tag} dbias", db, dz_t.float().sum(0), dz_ref.sum(0))
 
 
 def bench_sm90(k, compile_):
     from fastbert.ops import gemm_sm90
-    from fastbert.ops.ffn import gelu_bwd, linear_bias_gelu_fwd
+    from fastbert.ops.ffn import gelu_bwd, gelu_grad_ref, linear_bias_gelu_fwd
     why = gemm_sm90.ready() if DEV == "cuda" else "no GPU"
     if why:
         print(f"sm90: skipped ({why})", flush=True)
@@ -310,6 +312,7 @@ def bench_sm90(k, compile_):
     x, w, b = randn(m, k, g=g), randn(n, k, g=g, scale=k ** -0.5), randn(n, g=g, scale=0.1)
     d, w2 = randn(m, k, g=g), randn(k, n, g=g, scale=n ** -0.5)
     z = F.linear(x, w, b)
+    gz = gelu_grad_ref(z).to(DT)
     flops = 2 * m * n * k
     shape = f"{m}x{k}->{n}"
     gemm_sm90.ENABLED = False
@@ -331,7 +334,7 @@ def bench_sm90(k, compile_):
     gemm_sm90.ENABLED = True
     for v in range(gemm_sm90.variants()):
         gemm_sm90.VARIANT["dgelu"] = v
-        t, p = timed(lambda: gemm_sm90.dgelu(d, w2, z))
+        t, p = timed(lambda: gemm_sm90.dgelu(d, w2, gz))
         record("sm90", shape, "down-projection dgrad", f"sm90 dGELU + d(bias) v{v}", t, p, flops=flops,
                eager_ms=t_e)
     gemm_sm90.VARIANT.update(default)

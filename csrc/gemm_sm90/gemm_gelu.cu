@@ -3,10 +3,14 @@
 // producer's loads (cooperative) keep the tensor cores fed, which a Triton 3.6 GEMM cannot do on sm_90
 // (benchmarks/RESULTS.md, thirteenth session) and cuBLASLt does only with the tanh GELU.
 //
-//   fb_sm90_bias_gelu: z = x @ w^T + bias, y = gelu(z)     x (M, K), w (N, K), bias (N,), z and y (M, N)
-//   fb_sm90_dgelu:     dz = (d @ w2) * gelu'(z)            d (M, K), w2 (K, N), z and dz (M, N)
+//   fb_sm90_bias_gelu: y = gelu(z) and g = gelu'(z), z = x @ w^T + bias   x (M, K), w (N, K), bias (N,), y, g (M, N)
+//   fb_sm90_dgelu:     dz = (d @ w2) * g                              d (M, K), w2 (K, N), g and dz (M, N)
 //                      and d(bias)'s partial column sums of dz, one fp32 row per tile row of the launch shape
 //                      (fb_sm90_tile_m), for the caller to add up
+//
+// The up-projection stores GELU's derivative for the backward, not the pre-activation z: erf is computed once, in
+// the forward's epilogue (which yields both gelu(z) and gelu'(z) from the same erf and exp), and the
+// down-projection's input-gradient epilogue only multiplies (ABI 2; ABI 1 stored z and recomputed erf there).
 //
 // All matrices row-major and contiguous, bf16, fp32 accumulation and epilogue math. erf by Abramowitz & Stegun
 // 7.1.26 (|error| <= 1.5e-7 with PTX's ex2 / rcp approximations, about 1/25,000 of a bf16 rounding step at 1) in
@@ -69,14 +73,22 @@ struct GeluErf {
   }
 };
 
-// dy * gelu'(z) = dy * (Phi(z) + z * phi(z)) (0.3989422804 = 1 / sqrt(2 pi)).
+// gelu'(z) = Phi(z) + z * phi(z) (0.3989422804 = 1 / sqrt(2 pi)). Evaluated on the same z as GeluErf in one
+// epilogue: erf_fast's instructions (inline asm without side effects) are computed once for both (the sm_90a
+// SASS has the two MUFU operations an element of the forward alone, see fb_sm90_bias_gelu).
 template <class T>
-struct DGeluErf {
-  CUTLASS_HOST_DEVICE T operator()(T const& dy, T const& z) const {
+struct GeluGradErf {
+  CUTLASS_HOST_DEVICE T operator()(T const& z) const {
     float gauss, zf = float(z);
     float erf = erf_fast(zf * 0.7071067811865476f, gauss);  // gauss = exp(-z^2 / 2)
-    return T(float(dy) * (0.5f * (1.0f + erf) + zf * gauss * 0.3989422804014327f));
+    return T(0.5f * (1.0f + erf) + zf * gauss * 0.3989422804014327f);
   }
+};
+
+// dy * g, g = gelu'(z) as the forward stored it.
+template <class T>
+struct TimesGrad {
+  CUTLASS_HOST_DEVICE T operator()(T const& dy, T const& g) const { return T(float(dy) * float(g)); }
 };
 
 template <class T, int N>
@@ -91,25 +103,36 @@ struct GeluErf<cutlass::Array<T, N>> {
 };
 
 template <class T, int N>
-struct DGeluErf<cutlass::Array<T, N>> {
-  CUTLASS_HOST_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& dy,
-                                                     cutlass::Array<T, N> const& z) const {
+struct GeluGradErf<cutlass::Array<T, N>> {
+  CUTLASS_HOST_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& z) const {
     cutlass::Array<T, N> out;
-    DGeluErf<T> op;
+    GeluGradErf<T> op;
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < N; ++i) out[i] = op(dy[i], z[i]);
+    for (int i = 0; i < N; ++i) out[i] = op(z[i]);
+    return out;
+  }
+};
+
+template <class T, int N>
+struct TimesGrad<cutlass::Array<T, N>> {
+  CUTLASS_HOST_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& dy,
+                                                     cutlass::Array<T, N> const& g) const {
+    cutlass::Array<T, N> out;
+    TimesGrad<T> op;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < N; ++i) out[i] = op(dy[i], g[i]);
     return out;
   }
 };
 
 }  // namespace
 
-// dz = dy * gelu'(z) with z read by the epilogue (CUTLASS's LinCombDeEltAct), and dz's column sums over each tile
+// dz = dy * g with g = gelu'(z) read by the epilogue (CUTLASS's LinCombDeEltAct), and dz's column sums over each tile
 // (d(bias)) reduced in the same epilogue, written as one fp32 row per tile row (no final reduction: no workspace,
 // no atomics, the same sums in any run). CUTLASS's own fused bias gradient (LinCombDeEltActDePerRowBias) sums
 // rows, so this operation brings its callbacks: CUTLASS's, with a row reduction in place of the column one.
 template <class T>
-struct DGeluDBias : cutlass::epilogue::fusion::LinCombDeEltAct<cutlass::layout::RowMajor, DGeluErf, T, float, T> {};
+struct DGeluDBias : cutlass::epilogue::fusion::LinCombDeEltAct<cutlass::layout::RowMajor, TimesGrad, T, float, T> {};
 
 namespace cutlass::epilogue::fusion {
 template <int StagesC, int StagesD, int FragmentSize, bool ReuseSmemC, bool DelayTmaStore, class T,
@@ -121,14 +144,14 @@ struct FusionCallbacks<epilogue::Sm90TmaWarpSpecialized<StagesC, StagesD, Fragme
                                        FloatRoundStyle::round_to_nearest, Stride<_0, _1, int64_t>, 4, true, false>,
                       Sm90LinCombDeEltAct<CtaTileShapeMNK, EpilogueTile, StagesC,
                                           cutlass::gemm::TagToStrideC_t<cutlass::layout::RowMajor>, SmemLayoutAtom,
-                                          CopyOpS2R, DGeluErf, float, float, T, T, float>>> {
+                                          CopyOpS2R, TimesGrad, float, float, T, T, float>>> {
   using Impl = Sm90EVT<
       Sm90Compute<cutlass::epilogue::thread::Identity, T, float, FloatRoundStyle::round_to_nearest>,
       Sm90EVT<Sm90RowReduction<plus, plus, plus, 0, CtaTileShapeMNK, float, float, FloatRoundStyle::round_to_nearest,
                                Stride<_0, _1, int64_t>, 4, true, false>,
               Sm90LinCombDeEltAct<CtaTileShapeMNK, EpilogueTile, StagesC,
                                   cutlass::gemm::TagToStrideC_t<cutlass::layout::RowMajor>, SmemLayoutAtom, CopyOpS2R,
-                                  DGeluErf, float, float, T, T, float>>>;
+                                  TimesGrad, float, float, T, T, float>>>;
   using Operation = DGeluDBias<T>;
 
   struct Arguments {
@@ -155,6 +178,55 @@ struct FusionCallbacks<epilogue::Sm90TmaWarpSpecialized<StagesC, StagesD, Fragme
                   {}},
               {dbias_partial, 0.0f, dDbias}},
           {}};                                               // identity: the conversion to T
+    }
+  };
+
+  using Impl::Impl;
+};
+}  // namespace cutlass::epilogue::fusion
+
+// y = gelu(z) as D and g = gelu'(z) as the aux output, z = acc + bias (per column): z is computed once (the split
+// tree's input) and both outputs read it (Sm90SplitTreeFetch). The operation's traits (aux element, layout,
+// alignment) are LinCombPerColBiasEltActAux's, so the collective builder lays out the aux store as it does for z.
+template <class T>
+struct BiasGeluGrad
+    : cutlass::epilogue::fusion::LinCombPerColBiasEltActAux<cutlass::layout::RowMajor, GeluErf, T, float, T, T> {};
+
+namespace cutlass::epilogue::fusion {
+template <int StagesC, int StagesD, int FragmentSize, bool ReuseSmemC, bool DelayTmaStore, class T,
+          class CtaTileShapeMNK, class EpilogueTile, class SmemLayoutAtom, class CopyOpR2S>
+struct FusionCallbacks<epilogue::Sm90TmaWarpSpecialized<StagesC, StagesD, FragmentSize, ReuseSmemC, DelayTmaStore>,
+                       BiasGeluGrad<T>, CtaTileShapeMNK, EpilogueTile, SmemLayoutAtom, CopyOpR2S>
+    : Sm90SplitTreeVisitor<
+          Sm90EVT<Sm90Compute<plus, float, float, FloatRoundStyle::round_to_nearest>, Sm90AccFetch,
+                  Sm90RowBroadcast<0, CtaTileShapeMNK, T, float, Stride<_0, _1, int64_t>, 8>>,
+          Sm90EVT<Sm90Compute<GeluErf, T, float, FloatRoundStyle::round_to_nearest>, Sm90SplitTreeFetch>,
+          Sm90EVT<Sm90AuxStore<StagesD, EpilogueTile, T, FloatRoundStyle::round_to_nearest,
+                               cutlass::gemm::TagToStrideC_t<cutlass::layout::RowMajor>, SmemLayoutAtom, CopyOpR2S, 8>,
+                  Sm90EVT<Sm90Compute<GeluGradErf, float, float, FloatRoundStyle::round_to_nearest>,
+                          Sm90SplitTreeFetch>>> {
+  using Impl = Sm90SplitTreeVisitor<
+      Sm90EVT<Sm90Compute<plus, float, float, FloatRoundStyle::round_to_nearest>, Sm90AccFetch,
+              Sm90RowBroadcast<0, CtaTileShapeMNK, T, float, Stride<_0, _1, int64_t>, 8>>,
+      Sm90EVT<Sm90Compute<GeluErf, T, float, FloatRoundStyle::round_to_nearest>, Sm90SplitTreeFetch>,
+      Sm90EVT<Sm90AuxStore<StagesD, EpilogueTile, T, FloatRoundStyle::round_to_nearest,
+                           cutlass::gemm::TagToStrideC_t<cutlass::layout::RowMajor>, SmemLayoutAtom, CopyOpR2S, 8>,
+              Sm90EVT<Sm90Compute<GeluGradErf, float, float, FloatRoundStyle::round_to_nearest>, Sm90SplitTreeFetch>>>;
+  using Operation = BiasGeluGrad<T>;
+
+  struct Arguments {
+    T const* bias_ptr = nullptr;
+    Stride<_0, _1, int64_t> dBias = {};
+    T* aux_ptr = nullptr;  // gelu'(z)
+    cutlass::gemm::TagToStrideC_t<cutlass::layout::RowMajor> dAux = {};
+
+    operator typename Impl::Arguments() const {
+      typename Impl::Arguments args;
+      auto& [z_args, aux_args, d_args] = args;
+      z_args = {{}, {bias_ptr, T(0), dBias}, {}};  // plus(acc, bias)
+      aux_args = {{{}, {}}, {aux_ptr, dAux}};      // store(gelu'(z))
+      d_args = {{}, {}};                           // gelu(z)
+      return args;
     }
   };
 
@@ -226,33 +298,27 @@ struct Gemm {
   }
 };
 
-template <class T>
-using FwdFusion = cutlass::epilogue::fusion::LinCombPerColBiasEltActAux<cutlass::layout::RowMajor, GeluErf, T, float,
-                                                                       T, T>;
-
 template <class Tile, class Cluster, class Schedule>
 struct Shapes {
   using Bf16 = cutlass::bfloat16_t;
-  using Fwd = Gemm<Bf16, true, FwdFusion<Bf16>, Tile, Cluster, Schedule>;
+  using Fwd = Gemm<Bf16, true, BiasGeluGrad<Bf16>, Tile, Cluster, Schedule>;
   using Bwd = Gemm<Bf16, false, DGeluDBias<Bf16>, Tile, Cluster, Schedule>;
   static constexpr int kTileM = cute::size<0>(Tile{});
   static constexpr int kTileN = cute::size<1>(Tile{});
 
-  static int bias_gelu(const void* x, const void* w, const void* bias, void* z, void* y, int M, int N, int K,
+  static int bias_gelu(const void* x, const void* w, const void* bias, void* g, void* y, int M, int N, int K,
                        cudaStream_t stream) {
     auto args = Fwd::arguments(x, w, y, M, N, K);
-    args.epilogue.thread.alpha = 1.0f;
-    args.epilogue.thread.beta = 0.0f;
     args.epilogue.thread.bias_ptr = static_cast<const Bf16*>(bias);
-    args.epilogue.thread.aux_ptr = static_cast<Bf16*>(z);
+    args.epilogue.thread.aux_ptr = static_cast<Bf16*>(g);
     args.epilogue.thread.dAux = args.epilogue.dD;
     return Fwd::run(args, stream);
   }
 
-  static int dgelu(const void* d, const void* w2, const void* z, void* dz, float* dbias_partial, int M, int N, int K,
+  static int dgelu(const void* d, const void* w2, const void* g, void* dz, float* dbias_partial, int M, int N, int K,
                    cudaStream_t stream) {
     auto args = Bwd::arguments(d, w2, dz, M, N, K);
-    args.epilogue.thread.aux_ptr = static_cast<const Bf16*>(z);
+    args.epilogue.thread.aux_ptr = static_cast<const Bf16*>(g);
     args.epilogue.thread.dAux = args.epilogue.dD;
     args.epilogue.thread.dbias_partial = dbias_partial;
     args.epilogue.thread.dDbias = cute::make_stride(cute::Int<0>{}, cute::Int<1>{}, int64_t(0));
@@ -290,6 +356,10 @@ extern "C" {
 // 128x256 ping-pong spills (4.7 KB a thread, sm_90a compile report), so it is not offered.
 int fb_sm90_variants() { return 5; }
 
+// What fb_sm90_bias_gelu stores for the backward: 2 = gelu'(z) (this file); libraries without this function stored z
+// (ops/gemm_sm90.py refuses them: their dgelu would read the derivative as z).
+int fb_sm90_abi() { return 2; }
+
 // Rows of the d(bias) partials fb_sm90_dgelu writes for M rows (columns: N rounded up to fb_sm90_tile_n), or -1.
 int fb_sm90_tile_m(int variant) {
   return dispatch(variant, [](auto v) { return decltype(v)::kTileM; });
@@ -298,17 +368,17 @@ int fb_sm90_tile_n(int variant) {
   return dispatch(variant, [](auto v) { return decltype(v)::kTileN; });
 }
 
-int fb_sm90_bias_gelu(const void* x, const void* w, const void* bias, void* z, void* y, int M, int N, int K,
+int fb_sm90_bias_gelu(const void* x, const void* w, const void* bias, void* g, void* y, int M, int N, int K,
                       int variant, void* stream) {
   return dispatch(variant, [&](auto v) {
-    return decltype(v)::bias_gelu(x, w, bias, z, y, M, N, K, static_cast<cudaStream_t>(stream));
+    return decltype(v)::bias_gelu(x, w, bias, g, y, M, N, K, static_cast<cudaStream_t>(stream));
   });
 }
 
-int fb_sm90_dgelu(const void* d, const void* w2, const void* z, void* dz, float* dbias_partial, int M, int N, int K,
+int fb_sm90_dgelu(const void* d, const void* w2, const void* g, void* dz, float* dbias_partial, int M, int N, int K,
                   int variant, void* stream) {
   return dispatch(variant, [&](auto v) {
-    return decltype(v)::dgelu(d, w2, z, dz, dbias_partial, M, N, K, static_cast<cudaStream_t>(stream));
+    return decltype(v)::dgelu(d, w2, g, dz, dbias_partial, M, N, K, static_cast<cudaStream_t>(stream));
   });
 }
 

@@ -118,9 +118,9 @@ def _gelu_fwd_kernel(Z, Y, numel, APPROX_TANH: tl.constexpr, BLOCK: tl.constexpr
 
 @triton.jit(do_not_specialize=["M", "rows_per_program"])
 def _gelu_bwd_kernel(DY, Z, DZ, DB_PART, M, N, rows_per_program, stride_dy, stride_z, stride_dz,
-                     APPROX_TANH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dz = dy * gelu'(z) over a column strip of ``rows_per_program`` rows; the strip's column sums
-    of dz (partial d(bias)) go to DB_PART[program_id(1)]."""
+                     APPROX_TANH: tl.constexpr, GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dz = dy * gelu'(z) over a column strip of ``rows_per_program`` rows (GRAD: Z holds gelu'(z) itself); the
+    strip's column sums of dz (partial d(bias)) go to DB_PART[program_id(1)]."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     row_start = tl.program_id(1) * rows_per_program
@@ -131,7 +131,7 @@ def _gelu_bwd_kernel(DY, Z, DZ, DB_PART, M, N, rows_per_program, stride_dy, stri
         mask = (rows[:, None] < row_end) & col_mask[None, :]
         dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         z = tl.load(Z + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dz = dy * gelu_grad(z, APPROX_TANH, 0)
+        dz = dy * (z if GRAD else gelu_grad(z, APPROX_TANH, 0))
         tl.store(DZ + rows[:, None] * stride_dz + cols[None, :], dz.to(DZ.dtype.element_ty), mask=mask)
         acc += dz
     tl.store(DB_PART + tl.program_id(1) * N + cols, tl.sum(acc, axis=0), mask=col_mask)
@@ -158,14 +158,22 @@ def _lt_fwd(x2, weight, bias, store_pre):
     return y, z
 
 
+def keeps_grad(x, weight, bias, approximate) -> bool:
+    """Whether the up-projection's forward keeps GELU's derivative gelu'(z) for the backward in place of the
+    pre-activation z: with the exact GELU through ops/gemm_sm90.py, whose epilogue evaluates erf once for both
+    gelu(z) and gelu'(z), so the backward's epilogue only multiplies. The backward asks again with the forward's
+    own inputs (saved), so both sides agree (``gemm_sm90.ENABLED`` is not to change between them)."""
+    return approximate == "none" and gemm_sm90.eligible(x.reshape(-1, x.shape[-1]), weight, bias)
+
+
 def linear_bias_gelu_fwd(x, weight, bias, approximate, store_pre):
-    """``x (..., K) -> (y, z)``: y = gelu(x @ weight.T + bias) like x; z the pre-activation when
-    ``store_pre`` (for the backward) else an empty tensor."""
+    """``x (..., K) -> (y, z)``: y = gelu(x @ weight.T + bias) like x; with ``store_pre`` z is what the backward
+    needs (the pre-activation, or gelu'(z) where :func:`keeps_grad`), else an empty tensor."""
     n = weight.shape[0]
     out_shape = (*x.shape[:-1], n)
     x2 = x.reshape(-1, x.shape[-1])
     lt = _lt_fwd(x2, weight, bias, store_pre) if approximate == "tanh" else None
-    if lt is None and approximate == "none" and store_pre and gemm_sm90.eligible(x2, weight, bias):
+    if lt is None and store_pre and keeps_grad(x2, weight, bias, approximate):
         lt = gemm_sm90.bias_gelu(x2, weight, bias)
     if lt is not None:
         y, z = lt
@@ -178,8 +186,9 @@ def linear_bias_gelu_fwd(x, weight, bias, approximate, store_pre):
     return y.view(out_shape), z.view(out_shape) if store_pre else z.new_empty((0,))
 
 
-def gelu_bwd(dy, z, approximate):
-    """``(dz, dbias)`` for ``y = gelu(z)``: dz like z, dbias the fp32 column sums of dz."""
+def gelu_bwd(dy, z, approximate, grad=False):
+    """``(dz, dbias)`` for ``y = gelu(z)``: dz like z, dbias the fp32 column sums of dz; ``grad``: z holds gelu'(z)
+    (:func:`keeps_grad`)."""
     n = z.shape[-1]
     dy2 = dy.reshape(-1, n)
     z2 = z.reshape(-1, n)
@@ -196,14 +205,14 @@ def gelu_bwd(dy, z, approximate):
     if m > 0 and n > 0:
         _gelu_bwd_kernel[(grid_n, strips)](
             dy2, z2, dz, db_part, m, n, rows_per_program, dy2.stride(0), z2.stride(0), n,
-            APPROX_TANH=approximate == "tanh", BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+            APPROX_TANH=approximate == "tanh", GRAD=grad, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
     return dz.view(z.shape), sum_partials(db_part.view(strips, 1, n), [torch.float32])[0]
 
 
 def linear_bias_gelu_bwd(dy, x, weight, bias, z, approximate, wdtype):
     """``(dx, dweight, dbias)``, dweight and dbias in ``wdtype`` (the parameters', ``linear.py``); dbias is
     empty when ``bias`` is None."""
-    dz, db = gelu_bwd(dy, z, approximate)
+    dz, db = gelu_bwd(dy, z, approximate, keeps_grad(x, weight, bias, approximate))
     dx, dw = linear_grads(dz, x, weight, wdtype=wdtype)
     return dx, dw, db.to(wdtype) if bias is not None else weight.new_empty((0,), dtype=wdtype)
 
@@ -279,7 +288,8 @@ def linear_bias_gelu(x, weight, bias, approximate="none"):
 # ============================================================================= the whole FFN
 def ffn_fwd(x, w1, b1, w2, approximate, store_pre):
     """``(out, y, z)``: the FFN's output ``(..., hidden)``; with ``store_pre`` also its GELU output y and
-    pre-activation z ``(tokens, intermediate)`` for the backward (else empty tensors)."""
+    pre-activation z (or gelu'(z), :func:`keeps_grad`) ``(tokens, intermediate)`` for the backward (else empty
+    tensors)."""
     y, z = linear_bias_gelu_fwd(x, w1, b1, approximate, store_pre)
     y2 = y.reshape(-1, w1.shape[0])
     out = F.linear(y2, w2).view(*x.shape[:-1], w2.shape[0])
@@ -292,18 +302,20 @@ def ffn_bwd(dout, dres, x, w1, b1, w2, y, z, approximate, wdtype, w1acc=None, w2
     ``dres``: the gradient that reached x through the residual connection (or None), added to dx inside its
     GEMM. On eligible operands the down-projection's input-gradient GEMM applies GELU's derivative in its
     epilogue: the tanh GELU through cuBLASLt, then d(b1) as one reduction (cuBLASLt's own d(bias) epilogue here
-    runs as a separate 0.6 ms kernel on an H100, so it is not used); the exact one through ops/gemm_sm90.py, whose
-    epilogue sums d(b1) too. Otherwise that GEMM, then :func:`gelu_bwd` (which reduces d(b1) too)."""
+    runs as a separate 0.6 ms kernel on an H100, so it is not used); the exact one through ops/gemm_sm90.py
+    (multiplying by the gelu'(z) its forward kept), whose epilogue sums d(b1) too. Otherwise that GEMM, then
+    :func:`gelu_bwd` (which reduces d(b1) too)."""
     d2 = dout.reshape(-1, w2.shape[0])  # (M, hidden)
     dw2 = wgrad(d2, y, wdtype, w2acc)   # (hidden, M) @ (M, intermediate)
     dz = None
+    grad = keeps_grad(x, w1, b1, approximate)
     if approximate == "tanh" and cublaslt.eligible(d2, w2, z):
         dz = cublaslt.gemm(d2, w2, "dgelu", aux=z)
         db = bias_grad(dz, wdtype) if dz is not None and b1 is not None else None
-    elif approximate == "none" and gemm_sm90.eligible(d2, w2, z):
+    elif grad and gemm_sm90.eligible(d2, w2, z):
         dz, db = gemm_sm90.dgelu(d2, w2, z)
     if dz is None:
-        dz, db = gelu_bwd(d2 @ w2, z, approximate)
+        dz, db = gelu_bwd(d2 @ w2, z, approximate, grad)
     dx, dw1 = linear_grads(dz, x, w1, dres, wdtype, w1acc)
     empty = w1.new_empty((0,), dtype=wdtype)
     return (dx, empty if dw1 is None else dw1, db.to(wdtype) if b1 is not None else empty,

@@ -2,8 +2,9 @@
 ``csrc/gemm_sm90/gemm_gelu.cu`` (CUTLASS 3's warp-specialized sm_90a kernels) when setup.py finds nvcc and the
 CUTLASS headers, called through ctypes with torch's pointers and current stream.
 
-* :func:`bias_gelu`: ``(y, z)`` with ``z = x @ w.T + bias`` and ``y = gelu(z)``, one kernel;
-* :func:`dgelu`: ``dz = (d @ w2) * gelu'(z)`` and d(bias), dz's column sums: one kernel writing one fp32 row of
+* :func:`bias_gelu`: ``(y, g)`` with ``y = gelu(z)`` and ``g = gelu'(z)``, ``z = x @ w.T + bias``, one kernel: the
+  backward keeps GELU's derivative, not z, so erf is evaluated once, in this epilogue, for both outputs;
+* :func:`dgelu`: ``dz = (d @ w2) * g`` and d(bias), dz's column sums: one kernel writing one fp32 row of
   partial sums a tile row, then torch's sum of those rows (a few KB).
 
 cuBLASLt's GELU epilogues are the tanh formula (ops/cublaslt.py), and a Triton 3.6 GEMM cannot hide an epilogue
@@ -32,6 +33,7 @@ VARIANT = {"bias_gelu": 2, "dgelu": 0}
 # module attribute, which is read on every call).
 ENABLED = os.environ.get("FASTBERT_GEMM_SM90", "") != "0"
 
+ABI = 2  # the library's fb_sm90_abi(): what bias_gelu stores (2: gelu'(z); libraries before it stored z)
 _LIB: dict = {}    # "lib" -> the loaded library or None; ("sm90", device index) -> bool; ("tile", variant) -> (m, n)
 
 
@@ -62,6 +64,8 @@ def _load():
     except OSError as e:
         warnings.warn(f"fastbert: {path} could not be loaded ({e}); the FFN keeps cuBLAS + a GELU pass", stacklevel=4)
         return None
+    if not _abi_ok(lib, path):
+        return None
     vp, i = ctypes.c_void_p, ctypes.c_int
     lib.fb_sm90_bias_gelu.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, vp]
     lib.fb_sm90_dgelu.argtypes = [vp, vp, vp, vp, vp, i, i, i, i, vp]
@@ -69,6 +73,17 @@ def _load():
     for f in (lib.fb_sm90_bias_gelu, lib.fb_sm90_dgelu, lib.fb_sm90_variants, lib.fb_sm90_tile_m, lib.fb_sm90_tile_n):
         f.restype = i
     return lib
+
+
+def _abi_ok(lib, path) -> bool:
+    """Whether ``lib`` stores what this fastbert's backward reads (``ABI``); warns if not: a library built from an
+    older csrc/gemm_sm90 stored z, which the backward would read as gelu'(z)."""
+    abi = lib.fb_sm90_abi() if hasattr(lib, "fb_sm90_abi") else 1
+    if abi != ABI:
+        warnings.warn(f"fastbert: {path} was built from another version of csrc/gemm_sm90 (ABI {abi}, this fastbert "
+                      f"needs {ABI}): rebuild it (pip install --no-deps --no-build-isolation -e .); until then the FFN "
+                      "keeps cuBLAS + a GELU pass", stacklevel=5)
+    return abi == ABI
 
 
 def _lib():
@@ -105,26 +120,26 @@ def _check(status: int, what: str):
 
 
 def bias_gelu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> tuple:
-    """``(y, z)``, both ``(M, N)``: ``z = x @ w.T + bias``, ``y = gelu(z)``. x ``(M, K)``, w ``(N, K)``, bias ``(N,)``;
-    call :func:`eligible` first."""
+    """``(y, g)``, both ``(M, N)``: ``y = gelu(z)``, ``g = gelu'(z)`` (what :func:`dgelu` takes), ``z = x @ w.T +
+    bias`` (not stored). x ``(M, K)``, w ``(N, K)``, bias ``(N,)``; call :func:`eligible` first."""
     (m, k), n = x.shape, w.shape[0]
     y = x.new_empty((m, n))
-    z = torch.empty_like(y)
-    _check(_lib().fb_sm90_bias_gelu(x.data_ptr(), w.data_ptr(), bias.data_ptr(), z.data_ptr(), y.data_ptr(), m, n, k,
+    g = torch.empty_like(y)
+    _check(_lib().fb_sm90_bias_gelu(x.data_ptr(), w.data_ptr(), bias.data_ptr(), g.data_ptr(), y.data_ptr(), m, n, k,
                                     VARIANT["bias_gelu"], torch.cuda.current_stream(x.device).cuda_stream),
            f"bias + GELU ({m} x {k} -> {n})")
-    return y, z
+    return y, g
 
 
-def dgelu(d: torch.Tensor, w2: torch.Tensor, z: torch.Tensor) -> tuple:
-    """``(dz, dbias)``: ``dz = (d @ w2) * gelu'(z)`` ``(M, N)`` like z, dbias its fp32 column sums ``(N,)``; d
-    ``(M, K)``, w2 ``(K, N)``, z ``(M, N)``; call :func:`eligible` first."""
+def dgelu(d: torch.Tensor, w2: torch.Tensor, g: torch.Tensor) -> tuple:
+    """``(dz, dbias)``: ``dz = (d @ w2) * g`` ``(M, N)`` like g, g GELU's derivative as :func:`bias_gelu` stored it,
+    dbias dz's fp32 column sums ``(N,)``; d ``(M, K)``, w2 ``(K, N)``; call :func:`eligible` first."""
     (m, k), n = d.shape, w2.shape[1]
     lib, v = _lib(), VARIANT["dgelu"]
     tile_m, tile_n = _cached(("tile", v), lambda: (lib.fb_sm90_tile_m(v), lib.fb_sm90_tile_n(v)))
-    dz = torch.empty_like(z)
+    dz = torch.empty_like(g)
     partial = torch.empty((-(-m // tile_m), -(-n // tile_n) * tile_n), dtype=torch.float32, device=d.device)
-    _check(lib.fb_sm90_dgelu(d.data_ptr(), w2.data_ptr(), z.data_ptr(), dz.data_ptr(), partial.data_ptr(), m, n, k, v,
+    _check(lib.fb_sm90_dgelu(d.data_ptr(), w2.data_ptr(), g.data_ptr(), dz.data_ptr(), partial.data_ptr(), m, n, k, v,
                              torch.cuda.current_stream(d.device).cuda_stream),
            f"GELU derivative ({m} x {k} -> {n})")
     return dz, partial.sum(0)[:n]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fastbert.ops import cublaslt
-from fastbert.ops.ffn import ffn, ffn_ref, linear_bias_gelu, linear_bias_gelu_ref
+from fastbert.ops.ffn import ffn, ffn_ref, gelu_bwd, gelu_grad_ref, linear_bias_gelu, linear_bias_gelu_ref
 from ops_testing import DEVICE, assert_compiled_matches_eager, assert_within
 
 
@@ -201,6 +201,18 @@ def test_ffn_master_weights_get_their_gradients_in_their_dtype(approximate):
     got = ffn_master_grads(lambda *t, approximate: linear_bias_gelu(*t[:3], approximate), x, w1, b1, w2,
                            torch.float16, approximate, DEVICE)
     assert [t.dtype for t in got[2:4]] == [torch.float32] * 2
+
+
+def test_gelu_backward_from_the_kept_derivative():
+    """Given gelu'(z) (what the forward keeps where the sm_90 library computes GELU) instead of z, the Triton GELU
+    backward gives dz and d(bias) as from z."""
+    g = torch.Generator().manual_seed(4)
+    z, dy = (torch.randn(37, 70, generator=g).to(DEVICE) for _ in range(2))
+    dz, db = gelu_bwd(dy, z, "none")
+    dz_kept, db_kept = gelu_bwd(dy, gelu_grad_ref(z), "none", grad=True)
+    torch.testing.assert_close(dz_kept, dz, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(db_kept, db, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dz, dy * gelu_grad_ref(z), rtol=1e-5, atol=1e-6)
 
 
 def test_backward_ops_schema():

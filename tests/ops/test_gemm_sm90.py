@@ -2,18 +2,22 @@
 
 On the CPU: when the library is not eligible (CPU tensors, disabled, another dtype, a last size that is not a
 multiple of 8) nothing calls it and the FFN is unchanged. On an sm_90 GPU with the library built: every launch
-shape's z, y = gelu(z), dz = (d @ w2) * gelu'(z) and d(bias) against float64, within 1.5x the error torch's bf16
-GEMM + F.gelu make on the same inputs (the kernels round z to bf16 once, as cuBLAS does, and apply GELU to the fp32
-accumulator, so their error is at most torch's; 1.5x leaves room for a different summation order) plus 2^-9 of
-the largest |value| (one bf16 rounding); the FFN's output and every gradient with and without the library; a
-CUDA graph replaying the kernels with new inputs.
+shape's y = gelu(z), g = gelu'(z) (what the forward keeps for the backward), dz = (d @ w2) * g and d(bias)
+against float64, within 1.5x the error torch's bf16 GEMM + F.gelu make on the same inputs (the kernels apply GELU
+and its derivative to the fp32 accumulator, where torch rounds z to bf16 first, so their error is at most torch's;
+1.5x leaves room for a different summation order) plus 2^-9 of the largest |value| (one bf16 rounding); the FFN's
+output and every gradient with and without the library, and the model's FFN backward when the library's
+derivative meets a backward that cannot use it; a CUDA graph replaying the kernels with new inputs. The library
+built from an older csrc (it stored z) is refused, not misread.
 """
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from fastbert.ops import gemm_sm90
-from fastbert.ops.ffn import ffn, ffn_ref, gelu_grad_ref
+from fastbert.ops.ffn import ffn, ffn_ref, gelu_grad_ref, linear_bias_gelu, linear_bias_gelu_ref
 
 
 def close(out, torch_out, ref):
@@ -40,6 +44,19 @@ def test_library_path_from_the_environment(monkeypatch, tmp_path):
     assert gemm_sm90.library_path().name.startswith("_gemm_sm90")
 
 
+def test_a_library_of_another_abi_is_refused():
+    class Old:  # built before fb_sm90_abi existed: its bias_gelu stored z
+        pass
+
+    class New:
+        def fb_sm90_abi(self):
+            return gemm_sm90.ABI
+
+    with pytest.warns(UserWarning, match="rebuild it"):
+        assert not gemm_sm90._abi_ok(Old(), Path("old.so"))
+    assert gemm_sm90._abi_ok(New(), Path("new.so"))
+
+
 def _sm90():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
@@ -60,16 +77,17 @@ def test_gpu_every_variant_matches_float64(m, k, n):
     w2 = (torch.randn(k, n, generator=g) * n ** -0.5).to("cuda", torch.bfloat16)
     z_ref = F.linear(x.double(), w.double(), b.double())
     z_t = F.linear(x, w, b)
-    dz_ref = (d.double() @ w2.double()) * gelu_grad_ref(z_t.double())
-    dz_t = ((d @ w2).float() * gelu_grad_ref(z_t)).bfloat16()
+    g_t = gelu_grad_ref(z_t).bfloat16()  # gelu'(z) as the backward reads it
+    dz_ref = (d.double() @ w2.double()) * g_t.double()
+    dz_t = ((d @ w2).float() * g_t.float()).bfloat16()
     default = dict(gemm_sm90.VARIANT)
     try:
         for v in range(gemm_sm90.variants()):
             gemm_sm90.VARIANT.update(bias_gelu=v, dgelu=v)
-            y, z = gemm_sm90.bias_gelu(x, w, b)
-            close(z, z_t, z_ref)
+            y, gz = gemm_sm90.bias_gelu(x, w, b)
             close(y, F.gelu(z_t), F.gelu(z_ref))
-            dz, db = gemm_sm90.dgelu(d, w2, z_t)
+            close(gz, g_t, gelu_grad_ref(z_ref))
+            dz, db = gemm_sm90.dgelu(d, w2, g_t)
             close(dz, dz_t, dz_ref)
             close(db, dz_t.float().sum(0), dz_ref.sum(0))
     finally:
@@ -100,6 +118,53 @@ def test_gpu_ffn_with_and_without_the_library(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gpu_linear_bias_gelu_with_and_without_the_library(monkeypatch):
+    """The up-projection alone (its backward is the Triton GELU pass, reading the derivative the library's forward
+    kept): output and every gradient as in the FFN test."""
+    _sm90()
+    g = torch.Generator().manual_seed(6)
+    base = [torch.randn(1536, 768, generator=g), torch.randn(3072, 768, generator=g) * 768 ** -0.5,
+            torch.randn(3072, generator=g) * 0.1]
+    dy = torch.randn(1536, 3072, generator=g).cuda()
+
+    def run(dtype, enabled):
+        monkeypatch.setattr(gemm_sm90, "ENABLED", enabled)
+        ins = [t.to("cuda", dtype).requires_grad_() for t in base]
+        out = (linear_bias_gelu if dtype != torch.float64 else linear_bias_gelu_ref)(*ins)
+        return [out, *torch.autograd.grad(out, ins, dy.to(dtype))]
+
+    ref = run(torch.float64, False)
+    for a, b, r in zip(run(torch.bfloat16, True), run(torch.bfloat16, False), ref):
+        close(a, b, r)
+
+
+@pytest.mark.gpu
+def test_gpu_ffn_backward_that_cannot_take_the_library_reads_the_kept_derivative():
+    """The forward keeps gelu'(z) (the library's epilogue); a backward whose operands the library cannot take (here
+    an upstream gradient at an odd address) multiplies by it in the Triton pass: the same gradients within bf16
+    rounding, and the kept tensor is gelu'(z), not z."""
+    _sm90()
+    g = torch.Generator().manual_seed(7)
+    m, k, n = 1024, 1024, 4096
+    x, w1, b1, w2 = (t.to("cuda", torch.bfloat16) for t in (
+        torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * k ** -0.5,
+        torch.randn(n, generator=g) * 0.1, torch.randn(k, n, generator=g) * n ** -0.5))
+    out, y, kept = torch.ops.fastbert.ffn_fwd(x, w1, b1, w2, "none", True)
+    z = F.linear(x.double(), w1.double(), b1.double())
+    close(kept, gelu_grad_ref(F.linear(x, w1, b1)).bfloat16(), gelu_grad_ref(z))
+    flat = torch.randn(m * k + 1, generator=g).to("cuda", torch.bfloat16)
+    dout, odd = flat[:-1].view(m, k), flat[1:].view(m, k)  # odd: 2 bytes past 16-byte alignment
+    odd_copy = odd.clone()
+    assert gemm_sm90.eligible(dout, w2, kept) and not gemm_sm90.eligible(odd, w2, kept)
+    args = (None, x, w1, b1, w2, y, kept, "none", torch.float32, None, None)
+    fused = torch.ops.fastbert.ffn_bwd(odd_copy, *args)
+    fallback = torch.ops.fastbert.ffn_bwd(odd, *args)
+    for a, b in zip(fallback, fused):
+        scale = b.float().abs().max()
+        assert (a.float() - b.float()).abs().max() <= 2 ** -6 * scale
+
+
+@pytest.mark.gpu
 def test_gpu_graph_capture_replays():
     _sm90()
     x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
@@ -110,10 +175,11 @@ def test_gpu_graph_capture_replays():
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        y, z = gemm_sm90.bias_gelu(x, w, b)
+        y, g = gemm_sm90.bias_gelu(x, w, b)
     torch.cuda.current_stream().wait_stream(stream)
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(z, F.linear(x, w, b), rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(y, F.gelu(z.float()).bfloat16(), rtol=2e-2, atol=2e-2)
+    z = F.linear(x, w, b).float()
+    torch.testing.assert_close(y, F.gelu(z).bfloat16(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(g, gelu_grad_ref(z).bfloat16(), rtol=2e-2, atol=2e-2)
