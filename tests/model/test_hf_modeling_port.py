@@ -128,10 +128,29 @@ def assert_close(name, got, want, where=None):
     torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{name}: {m}")
 
 
-def assert_grads_equal(g_twin, g_hf):
+def hf_grads_f64(hf, inputs, loss_of):
+    """HF's gradients from a float64 copy of its model: the yardstick of HF's own fp32 error."""
+    model = copy.deepcopy(hf).double()
+    loss_of(model(**inputs)).backward()
+    return hf_named_grads(model)
+
+
+def assert_grads_equal(g_twin, g_hf, f64=None):
+    """Every parameter gradient within TOL of HF's. Where one is not and ``f64`` is given (it returns HF's gradients
+    in float64): within TOL's atol plus 4x HF's own fp32 error on that tensor. Some gradients are sums with heavy
+    cancellation (a position embedding's over the batch, of terms ~100x the result here), where fp32 rounding in any
+    order is ~1e-5 absolute: HF's own was 1.9e-5 at the element where fastbert's differed from it by 4.2e-5 (left
+    padding, on a CPU whose kernels add in another order than the one TOL was tuned on)."""
     assert g_twin.keys() == g_hf.keys(), g_twin.keys() ^ g_hf.keys()
+    ref = None
     for name in g_hf:
-        assert_close(f"grad of {name}", g_twin[name], g_hf[name])
+        if f64 is not None and not torch.allclose(g_twin[name], g_hf[name], **TOL):
+            ref = f64() if ref is None else ref
+            err_hf = (g_hf[name].double() - ref[name]).abs().max().item()
+            torch.testing.assert_close(g_twin[name], g_hf[name], rtol=TOL["rtol"], atol=TOL["atol"] + 4 * err_hf,
+                                       msg=lambda m: f"grad of {name} (HF's own fp32 error {err_hf:.3g}): {m}")
+        else:
+            assert_close(f"grad of {name}", g_twin[name], g_hf[name])
 
 
 def check(hf, twin, inputs, fields, loss_of=lambda o: o.loss, where=None):
@@ -140,7 +159,7 @@ def check(hf, twin, inputs, fields, loss_of=lambda o: o.loss, where=None):
         assert_close(f, o_tw[f], o_hf[f], where.get(f) if where else None)
     if getattr(o_hf, "loss", None) is not None:
         assert_close("loss", o_tw.loss, o_hf.loss)
-    assert_grads_equal(g_tw, g_hf)
+    assert_grads_equal(g_tw, g_hf, lambda: hf_grads_f64(hf, inputs, loss_of))
     return o_hf, o_tw
 
 
@@ -185,7 +204,7 @@ def test_model(mask_kind, way):
         assert a.shape == (B, nh, S, S)
         assert_close(f"attentions[{i}]", a, b, rows)
         assert not a[~rows].any()  # rows nothing reads are 0, not another row's map
-    assert_grads_equal(g_tw, g_hf)
+    assert_grads_equal(g_tw, g_hf, lambda: hf_grads_f64(hf, inputs, loss_of))
     # the other two calls of create_and_check_model: no mask (all real), then ids only
     with torch.no_grad():
         for kw in (dict(token_type_ids=d["token_type_ids"]), {}):
