@@ -186,13 +186,15 @@ def check_hidden(n: int, what: str):
 
 
 # ----------------------------------------------------------------------------- launch settings
-def row_block(n_cols: int):
+def row_block(n_cols: int, elems_per_warp: int = 1024):
     """(BLOCK_M, BLOCK_N, num_warps) for a kernel that keeps whole rows of ``n_cols`` in registers:
     several short rows per program so each program moves ~4K elements (16-byte accesses, enough
-    loads in flight), one long row with more warps for wide hidden sizes."""
+    loads in flight), one long row with more warps for wide hidden sizes. A warp a 1,024 elements: the
+    LayerNorm forward at BERT's sizes ran 15-25% faster with 4 warps than with 8 on an H200 (graph-replayed,
+    benchmarks/RESULTS.md, twentieth session)."""
     block_n = max(8, triton.next_power_of_2(n_cols))  # >= 8: dropout draws 8 columns per Philox call
     block_m = max(1, min(4096 // block_n, 16))
-    num_warps = max(1, min(block_m * block_n // 512, 16))
+    num_warps = max(1, min(block_m * block_n // elems_per_warp, 16))
     return block_m, block_n, num_warps
 
 
@@ -200,7 +202,8 @@ def bwd_row_partition(m: int, n_cols: int, device: torch.device):
     """(BLOCK_M, BLOCK_N, num_warps, programs, rows_per_program) for a row-wise backward that also
     reduces column sums (LayerNorm, embeddings): about two programs per SM, each walking whole
     BLOCK_M strips of its rows and writing one partial sum per program."""
-    block_m, block_n, num_warps = row_block(n_cols)
+    # a warp a 512 elements of the forward's tile: the same sweep kept 8 warps best for the LayerNorm backward
+    block_m, block_n, num_warps = row_block(n_cols, elems_per_warp=512)
     block_m = max(1, block_m // 2)  # the backward holds more live tiles per row
     programs = max(1, min(triton.cdiv(m, block_m), num_sms(device) * 2))
     rows_per_program = triton.cdiv(triton.cdiv(max(m, 1), programs), block_m) * block_m

@@ -26,9 +26,11 @@ from typing import Optional
 
 import torch
 
-# The launch shape each function uses (the .cu file lists them); the fastest of `benchmarks/bench_ops.py --ops sm90`
-# on an H100 at BERT-large and BERT-base sizes (benchmarks/RESULTS.md, fifteenth session).
-VARIANT = {"bias_gelu": 2, "dgelu": 0}
+# The launch shape each function uses (the .cu file lists them): v0 (cooperative 128 x 256 tiles, 2 x 1 clusters)
+# both ways, the fastest of `benchmarks/bench_ops.py --ops sm90` on an H200 at BERT-base's size (up-projection
+# 326-335 us against v2's 342-350) and level with v2 at BERT-large's (271-272 us); benchmarks/RESULTS.md,
+# nineteenth and twentieth sessions.
+VARIANT = {"bias_gelu": 0, "dgelu": 0}
 # FASTBERT_GEMM_SM90=0 keeps cuBLAS + the GELU passes (read at import; benchmarks compare both by setting this
 # module attribute, which is read on every call).
 ENABLED = os.environ.get("FASTBERT_GEMM_SM90", "") != "0"
