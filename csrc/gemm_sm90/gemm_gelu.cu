@@ -91,39 +91,25 @@ struct TimesGrad {
   CUTLASS_HOST_DEVICE T operator()(T const& dy, T const& g) const { return T(float(dy) * float(g)); }
 };
 
-template <class T, int N>
-struct GeluErf<cutlass::Array<T, N>> {
-  CUTLASS_HOST_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& z) const {
+// The functors above on CUTLASS's fragments (what its epilogue visitors call): the scalar operation element by element.
+template <template <class> class Op, class T, int N>
+struct OnFragments {
+  template <class... Frags>
+  CUTLASS_HOST_DEVICE cutlass::Array<T, N> operator()(Frags const&... in) const {
     cutlass::Array<T, N> out;
-    GeluErf<T> op;
+    Op<T> op;
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < N; ++i) out[i] = op(z[i]);
+    for (int i = 0; i < N; ++i) out[i] = op(in[i]...);
     return out;
   }
 };
 
 template <class T, int N>
-struct GeluGradErf<cutlass::Array<T, N>> {
-  CUTLASS_HOST_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& z) const {
-    cutlass::Array<T, N> out;
-    GeluGradErf<T> op;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < N; ++i) out[i] = op(z[i]);
-    return out;
-  }
-};
-
+struct GeluErf<cutlass::Array<T, N>> : OnFragments<GeluErf, T, N> {};
 template <class T, int N>
-struct TimesGrad<cutlass::Array<T, N>> {
-  CUTLASS_HOST_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& dy,
-                                                     cutlass::Array<T, N> const& g) const {
-    cutlass::Array<T, N> out;
-    TimesGrad<T> op;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < N; ++i) out[i] = op(dy[i], g[i]);
-    return out;
-  }
-};
+struct GeluGradErf<cutlass::Array<T, N>> : OnFragments<GeluGradErf, T, N> {};
+template <class T, int N>
+struct TimesGrad<cutlass::Array<T, N>> : OnFragments<TimesGrad, T, N> {};
 
 }  // namespace
 
