@@ -1,9 +1,9 @@
 """`fastbert pretrain`'s step reads nothing back from the device between log steps (issue 14, item 2).
 
 The loop runs in a child process (a world of one, ZeRO-0 with fastbert's fused clipping, gradient
-accumulation 2, Triton kernels in the interpreter, the spike guard on and judging from the first step) with Tensor.item / tolist /
-__bool__ / __int__ / __float__ / nonzero instrumented. The optimizer is torch's fused AdamW, the one
-``fastbert pretrain`` uses on CUDA (on the CPU it uses the foreach AdamW, which reads its step counters
+accumulation 2, Triton kernels in the interpreter, the spike guard on and judging from the first step) with
+Tensor.item / tolist / __bool__ / __int__ / __float__ / nonzero instrumented. The optimizer is torch's fused
+AdamW, the one ``fastbert pretrain`` uses on CUDA (on the CPU it uses the foreach AdamW, which reads its step counters
 and makes the guard read its verdict: there is no device to wait for). Reads are allowed only at log
 steps (the window's metrics, the guard's verdicts) and of host tensors by design: the loader's batches
 (token and sequence counts), and the guard's verdict of the step before, which on CUDA is a pinned host
