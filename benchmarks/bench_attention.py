@@ -232,9 +232,9 @@ def bench_case(case) -> list[dict]:
 # ---------------------------------------------------------------------------------- launch-config sweep
 SWEEP_SHORT = {  # sequences <= 128
     "fwd": [(64, 64, 4, 3), (64, 32, 4, 3), (32, 32, 4, 3), (128, 64, 8, 2), (128, 64, 4, 3)],
-    # (query block BLOCK_M, num_warps, num_stages) of the fused short backward, per length bucket
-    "bwd128": [(64, 8, 1), (32, 4, 2), (16, 4, 2), (32, 8, 2)],
-    "bwd64": [(32, 4, 1), (64, 4, 1), (32, 4, 2), (16, 4, 2)],
+    # (num_warps, programs an SM, num_stages) of the fused short backward, per length bucket
+    "bwd128": [(8, 1, 2), (8, 1, 1), (8, 2, 1)],
+    "bwd64": [(4, 2, 2), (4, 1, 2), (4, 2, 1), (8, 1, 2), (4, 3, 2)],
 }
 SWEEP_LONG = {  # longer sequences: the two-kernel backward
     "fwd": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (128, 64, 4, 3), (64, 32, 4, 3)],
@@ -245,29 +245,28 @@ SWEEP_LONG = {  # longer sequences: the two-kernel backward
 
 def _apply(kind, bucket, choice, dropout):
     """Set one launch choice in the attention module's table for runs with (``dropout``) or without dropout; the
-    long backward kernels (dq, dkdv) have one table for both."""
+    backward kernels (dq, dkdv, the fused short one) have one table for both."""
     if kind == "fwd":
         attn._GPU_CONFIGS[("fwd_dropout" if dropout else "fwd", 64, bucket)] = choice
     elif kind in ("dq", "dkdv"):
         attn._GPU_CONFIGS[(kind, 64, bucket)] = choice
     else:
-        table = attn._SHORT_BWD_LAUNCH if dropout else attn._SHORT_BWD_LAUNCH_NO_DROPOUT
-        table[128 if kind == "bwd128" else 64] = choice
+        attn._SHORT_BWD_LAUNCH[128 if kind == "bwd128" else 64] = choice
 
 
 def _state():
-    return dict(attn._GPU_CONFIGS), dict(attn._SHORT_BWD_LAUNCH), dict(attn._SHORT_BWD_LAUNCH_NO_DROPOUT)
+    return dict(attn._GPU_CONFIGS), dict(attn._SHORT_BWD_LAUNCH)
 
 
 def _restore(state):
-    attn._GPU_CONFIGS, attn._SHORT_BWD_LAUNCH, attn._SHORT_BWD_LAUNCH_NO_DROPOUT = (dict(x) for x in state)
+    attn._GPU_CONFIGS, attn._SHORT_BWD_LAUNCH = (dict(x) for x in state)
 
 
 def sweep(which: str) -> dict:
     """Time launch candidates kernel by kernel (GPU time, CUDA graphs) with attention dropout p=0.1 (BERT's
     training setting, where register pressure is highest) and without, and keep the fastest of each applied to
-    its table (the forward and the fused short backward have one per setting; the long backward kernels one for
-    both, ranked with dropout). Backward candidates are timed as the whole backward."""
+    its table (the forward has one per setting; the backward kernels one for both, ranked with dropout). Backward
+    candidates are timed as the whole backward."""
     plans = []
     if which in ("short", "all"):
         # 128-token buckets on full rows (packed pretraining), the 64-token one on real paragraph lengths
@@ -305,7 +304,7 @@ def sweep(which: str) -> dict:
                 _restore(state)
             best_drop, best_p0 = min(timings, key=lambda t: t[0]), min(timings, key=lambda t: t[1])
             _apply(kind, bucket, best_p0[3], False)
-            _apply(kind, bucket, best_drop[3], True)  # dq / dkdv: one table, ranked with dropout
+            _apply(kind, bucket, best_drop[3], True)  # the backward: one table, ranked with dropout
             results[key][kind] = [{"choice": c, "ms": t, "ms_without_dropout": t0} for t, t0, c, _ in timings]
             print(f"  sweep {key} {kind} (p=0.1; p=0 in brackets): " + "  ".join(
                 f"{c}={t * 1e3:.1f}us [{t0 * 1e3:.1f}]" for t, t0, c, _ in timings) +
@@ -345,8 +344,7 @@ def main(argv=None) -> int:
     result["meta"] = dict(
         device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, dtype="bfloat16",
         configs={"/".join(map(str, k)): v for k, v in attn._GPU_CONFIGS.items()},
-        short_bwd=dict(max_seqlen=attn._SHORT_BWD_MAX, block_m_warps_stages=attn._SHORT_BWD_LAUNCH,
-                       without_dropout=attn._SHORT_BWD_LAUNCH_NO_DROPOUT))
+        short_bwd=dict(max_seqlen=attn._SHORT_BWD_MAX, warps_programs_per_sm_stages=attn._SHORT_BWD_LAUNCH))
     print(json.dumps(result["meta"]), flush=True)
     for shape in shapes:
         for dist in dists:

@@ -6,7 +6,8 @@
 Top to bottom: the plain-PyTorch reference (pads per sequence internally), the Triton kernels
 (flash-style forward that stores the log-sum-exp and, with dropout, the mask it drew as bits; backward
 as dQ (which also computes the softmax row term delta) then dK/dV, or for sequences up to 128 tokens one
-fused program per (sequence, head)), the host wrappers ``varlen_attention_forward`` / ``varlen_attention_backward``,
+persistent kernel per length bucket whose programs loop over (sequence, head) tiles, the next tile's loads in
+flight during this one's GEMMs), the host wrappers ``varlen_attention_forward`` / ``varlen_attention_backward``,
 the torch custom ops that let ``torch.compile`` wrap them, the ``autograd.Function`` and
 ``varlen_attention``.
 """
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 
 from fastbert.ops._common import (
     INTERPRET, autocast_dtype, check_dropout_p, check_triton_device, drop_threshold, dropout_bits, dropout_seed,
-    keep_from_bits, register_op, sum_partials, tl, triton)
+    keep_from_bits, num_sms, register_op, sum_partials, tl, triton)
 from fastbert.ops.fp8 import E5M2, FP8_MAX, HISTORY, _fp8_codes, finite_amax_of, history_scale, transpose_codes
 from fastbert.padding import unpad_by_seqlens, pad, unpad
 
@@ -250,26 +251,120 @@ def _fwd_kernel(
     tl.store(LSE + head * stride_lse_h + start + offs_m, m_i + tl.math.log2(l_safe), mask=mask_m)
 
 
+@triton.jit
+def _short_lists_kernel(CU_SEQLENS, LISTS, COUNTS, batch, BLOCK_B: tl.constexpr, N_BUCKETS: tl.constexpr,
+                        SMALLEST: tl.constexpr):
+    """The fused short backward's work lists, one program: for bucket j (lengths in (lo_j, hi_j], hi_j = SMALLEST
+    * 2^j, lo_0 = 0, lo_j = hi_j / 2) the starts and lengths of its sequences in LISTS[j, 0, :count] and
+    LISTS[j, 1, :count] (batch order), count in COUNTS[j]."""
+    i = tl.arange(0, BLOCK_B)
+    ok = i < batch
+    start = tl.load(CU_SEQLENS + i, mask=ok, other=0)
+    length = tl.load(CU_SEQLENS + i + 1, mask=ok, other=0) - start
+    for j in tl.static_range(N_BUCKETS):
+        hi = SMALLEST << j
+        lo = 0 if j == 0 else hi // 2
+        inb = ok & (length > lo) & (length <= hi)
+        pos = tl.cumsum(inb.to(tl.int32), 0) - 1
+        tl.store(LISTS + 2 * j * BLOCK_B + pos, start, mask=inb)
+        tl.store(LISTS + (2 * j + 1) * BLOCK_B + pos, length, mask=inb)
+        tl.store(COUNTS + j, tl.sum(inb.to(tl.int32), 0))
+
+
 @triton.jit(do_not_specialize=_PER_BATCH)
-def _bwd_dkdv_kernel(
-    Q, K, V, O, DO, LSE, DELTA, MASK, DQ, DK, DV, CU_SEQLENS,
+def _bwd_short_kernel(
+    Q, K, V, O, DO, LSE, MASK, DQ, DK, DV, LIST, COUNT,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_ot, stride_oh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-    stride_lse_h, stride_mask_h, stride_mask_t, qk_scale, softmax_scale, keep_scale, min_len,
+    stride_lse_h, stride_mask_h, stride_mask_t, qk_scale, softmax_scale, keep_scale, nheads, list_len, part0,
+    HIST, STEP, SCALE_INV, PARTS, stride_part,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
+    FP8_OUT: tl.constexpr, COLSUMS: tl.constexpr, HW: tl.constexpr, HISTORY_LEN: tl.constexpr,
+):
+    """The whole backward of sequences whose tokens all fit one BLOCK: a persistent program loops over the
+    (sequence, head) tiles of one length bucket (LIST: its starts, then its lengths, ``list_len`` apart; COUNT:
+    how many; ``_short_lists_kernel``), and Triton's pipeliner keeps the next tile's q, k, v, dO, O and
+    log-sum-exp loads in flight (cp.async, STAGES buffers) while this tile's five GEMMs run. A tile holds every
+    key and query of its sequence: delta = rowsum(O * dO), P^T and dS^T key-major (S^T = K Q^T, so they feed
+    the dV and dK GEMMs from registers), dQ = dS K (dS^T through shared memory once); no atomics, each input
+    read once. Row offsets are taken from the tile's start inside the loop: hoisted out of it, the eight
+    tensors' offsets stayed live across the loop and spilled (sm_90 compile reports).
+
+    FP8_OUT, COLSUMS: as ``_bwd_dkdv_kernel`` (PARTS row ``part0`` + the sequence's place in the list).
+    """
+    pid = tl.program_id(0)
+    if FP8_OUT:
+        scale, cur = history_scale(HIST, STEP, HISTORY_LEN, _E5M2_MAX)
+        if pid == 0:
+            tl.store(SCALE_INV, tl.math.div_rn(tl.full((), 1.0, tl.float32), scale))
+    else:
+        scale, cur = 1.0, 0
+    offs = tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    amax = tl.full((), 0.0, tl.float32)
+    for tile in tl.range(pid, tl.load(COUNT) * nheads, tl.num_programs(0), num_stages=STAGES):
+        entry = tile // nheads
+        head = tile - entry * nheads
+        seqlen = tl.load(LIST + list_len + entry)
+        rows = tl.load(LIST + entry).to(tl.int64) + offs  # the sequence's tokens
+        mask_t = offs < seqlen
+        mask_td = mask_t[:, None] & mask_d[None, :]
+        k = _load_rows(K, 0, head, stride_kt, stride_kh, rows, offs_d, mask_td)
+        v = _load_rows(V, 0, head, stride_vt, stride_vh, rows, offs_d, mask_td)
+        q = _load_rows(Q, 0, head, stride_qt, stride_qh, rows, offs_d, mask_td)
+        do = _load_rows(DO, 0, head, stride_dot, stride_doh, rows, offs_d, mask_td)
+        o = _load_rows(O, 0, head, stride_ot, stride_oh, rows, offs_d, mask_td)
+        lse = tl.load(LSE + head * stride_lse_h + rows, mask=mask_t, other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        # Transposed probabilities P^T (keys, queries), rebuilt from the stored log-sum-exp.
+        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
+        pT = tl.math.exp2(qkT - lse[None, :])
+        pT = tl.where(mask_t[:, None] & mask_t[None, :], pT, 0.0)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (dO V^T)^T
+        if HAS_DROPOUT:
+            keepT = _stored_keep_t(MASK + head.to(tl.int64) * stride_mask_h, rows, 0, BLOCK, stride_mask_t, mask_t,
+                                   seqlen)
+            dv = tl.dot(tl.where(keepT, pT * keep_scale, 0.0).to(do.dtype), do, input_precision=DOT_PRECISION)
+            dpT = tl.where(keepT, dpT * keep_scale, 0.0)
+        else:
+            dv = tl.dot(pT.to(do.dtype), do, input_precision=DOT_PRECISION)
+        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+        dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION) * softmax_scale
+        dq_amax, dq_sums = _store_grad(DQ, dq, 0, head, stride_dqt, stride_dqh, rows, offs_d, mask_t, mask_d, scale,
+                                       FP8_OUT, COLSUMS, HW)
+        dk = tl.dot(dsT, q, input_precision=DOT_PRECISION) * softmax_scale
+        dk_amax, dk_sums = _store_grad(DK, dk, 0, head, stride_dkt, stride_dkh, rows, offs_d, mask_t, mask_d, scale,
+                                       FP8_OUT, COLSUMS, HW)
+        dv_amax, dv_sums = _store_grad(DV, dv, 0, head, stride_dvt, stride_dvh, rows, offs_d, mask_t, mask_d, scale,
+                                       FP8_OUT, COLSUMS, HW)
+        if COLSUMS:
+            part_row = part0 + entry
+            cols = stride_part // 3  # nh * hd: q's, k's and v's columns
+            _store_part(PARTS, part_row, stride_part, head * stride_dqh, dq_sums, offs_d, mask_d)
+            _store_part(PARTS, part_row, stride_part, cols + head * stride_dkh, dk_sums, offs_d, mask_d)
+            _store_part(PARTS, part_row, stride_part, 2 * cols + head * stride_dvh, dv_sums, offs_d, mask_d)
+        if FP8_OUT:
+            amax = tl.maximum(amax, tl.maximum(dq_amax, tl.maximum(dk_amax, dv_amax)))
+    if FP8_OUT:
+        tl.atomic_max(HIST + cur, amax)
+
+
+@triton.jit(do_not_specialize=_PER_BATCH)
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, MASK, DK, DV, CU_SEQLENS,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    stride_lse_h, stride_mask_h, stride_mask_t, qk_scale, softmax_scale, keep_scale,
     HIST, STEP, SCALE_INV, PARTS, stride_part,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED_DQ: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8_OUT: tl.constexpr, COLSUMS: tl.constexpr, HW: tl.constexpr, HISTORY_LEN: tl.constexpr,
 ):
     """One program = one block of BLOCK_N keys of one (sequence, head), looping over its queries in blocks
     of BLOCK_M. The scores are computed key-major (S^T = K Q^T), so P^T and dS^T feed the dV and dK GEMMs
-    straight from registers.
-
-    FUSED_DQ: the whole backward of a sequence whose keys all fit the block (min_len < length <=
-    BLOCK_N, grid (1, seq, head)). Holding every key, the program finishes each query block's dQ itself
-    (dQ = dS K: dS^T goes through shared memory once; computing dQ^T = K^T dS^T and storing it transposed
-    raised illegal memory accesses on the H100 with Triton 3.6) and computes delta = rowsum(O * dO) from O;
-    one launch, no atomics, K and V read once. Otherwise DELTA comes from the dQ kernel, which ran first.
+    straight from registers. DELTA comes from the dQ kernel, which ran first.
 
     FP8_OUT: the gradients go out as e5m2 codes scaled from the amax history row HIST, with their amax, instead
     of in Q's dtype. COLSUMS (set with FP8_OUT): also the bias gradient's partial column sums (``_store_grad``,
@@ -286,10 +381,7 @@ def _bwd_dkdv_kernel(
         scale, cur = 1.0, 0
     start = tl.load(CU_SEQLENS + seq)
     seqlen = tl.load(CU_SEQLENS + seq + 1) - start
-    if FUSED_DQ:
-        if (seqlen <= min_len) | (seqlen > BLOCK_N):
-            return
-    elif pid_n * BLOCK_N >= seqlen:
+    if pid_n * BLOCK_N >= seqlen:
         return
     start64 = start.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -305,8 +397,6 @@ def _bwd_dkdv_kernel(
     delta_base = DELTA + head * stride_lse_h + start
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    amax = tl.full((), 0.0, tl.float32)
-    dq_sums = tl.zeros([BLOCK_D], dtype=tl.float32)
     mask_base = MASK + head.to(tl.int64) * stride_mask_h + start64 * stride_mask_t
     for start_m in range(0, seqlen, BLOCK_M):
         rows = start_m + offs_m
@@ -315,11 +405,7 @@ def _bwd_dkdv_kernel(
         q = _load_rows(Q, start64, head, stride_qt, stride_qh, rows, offs_d, mask_md)
         do = _load_rows(DO, start64, head, stride_dot, stride_doh, rows, offs_d, mask_md)
         lse = tl.load(lse_base + rows, mask=mask_m, other=0.0)
-        if FUSED_DQ:
-            o = _load_rows(O, start64, head, stride_ot, stride_oh, rows, offs_d, mask_md)
-            delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-        else:
-            delta = tl.load(delta_base + rows, mask=mask_m, other=0.0)
+        delta = tl.load(delta_base + rows, mask=mask_m, other=0.0)
         # Transposed probabilities P^T (BLOCK_N, BLOCK_M), rebuilt from the stored log-sum-exp.
         qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
         pT = tl.math.exp2(qkT - lse[None, :])
@@ -333,12 +419,6 @@ def _bwd_dkdv_kernel(
             dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
         dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
-        if FUSED_DQ:
-            dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION) * softmax_scale  # (BLOCK_M, BLOCK_D)
-            tile_amax, sums = _store_grad(DQ, dq, start64, head, stride_dqt, stride_dqh, rows, offs_d,
-                                          mask_m, mask_d, scale, FP8_OUT, COLSUMS, HW)
-            amax = tl.maximum(amax, tile_amax)
-            dq_sums += sums
 
     dk = dk * softmax_scale
     dk_amax, dk_sums = _store_grad(DK, dk, start64, head, stride_dkt, stride_dkh, offs_n, offs_d,
@@ -348,12 +428,10 @@ def _bwd_dkdv_kernel(
     if COLSUMS:
         part_row = pid_n * tl.num_programs(1) + seq
         cols = stride_part // 3  # nh * hd: q's, k's and v's columns
-        if FUSED_DQ:
-            _store_part(PARTS, part_row, stride_part, head * stride_dkh, dq_sums, offs_d, mask_d)
         _store_part(PARTS, part_row, stride_part, cols + head * stride_dkh, dk_sums, offs_d, mask_d)
         _store_part(PARTS, part_row, stride_part, 2 * cols + head * stride_dvh, dv_sums, offs_d, mask_d)
     if FP8_OUT:
-        tl.atomic_max(HIST + cur, tl.maximum(amax, tl.maximum(dk_amax, dv_amax)))
+        tl.atomic_max(HIST + cur, tl.maximum(dk_amax, dv_amax))
 
 
 @triton.jit(do_not_specialize=_PER_BATCH)
@@ -449,14 +527,13 @@ _GPU_CONFIGS = {
     ("dkdv", 128, "long"): (32, 64, 4, 2),
 }
 _SHORT_BWD_MAX = 128
-# BLOCK -> (query block BLOCK_M, num_warps, num_stages) of the fused short backward (the dK/dV kernel with
-# FUSED_DQ), with attention dropout (BERT's training setting) and without. The fifth session chose (64, 8, 1) /
-# (32, 4, 1) for 128 / 64-token rows with dropout on full rows and real paragraph lengths; the eleventh swept
-# each launch at B=128 H=16 S=128 with lengths uniform in [0.2 S, S] (60% fill; fwd+bwd, us, p=0.1 / p=0): 128-token
-# rows (128, 8, 1) 211.5 / 161.1, (64, 8, 1) 223.4 / 163.3, (32, 4, 2) 227.8 / 153.2; 64-token rows (64, 4, 1)
-# 219.6 / 162.2, (32, 4, 1) 225.0 / 162.9. benchmarks/RESULTS.md, eleventh session.
-_SHORT_BWD_LAUNCH = {16: (16, 4, 1), 32: (32, 4, 1), 64: (64, 4, 1), 128: (128, 8, 1)}
-_SHORT_BWD_LAUNCH_NO_DROPOUT = {16: (16, 4, 1), 32: (32, 4, 1), 64: (32, 4, 1), 128: (32, 4, 2)}
+# BLOCK -> (num_warps, programs an SM, num_stages) of the fused short backward (``_bwd_short_kernel``), with and
+# without dropout. 128: 255 registers a thread at 8 warps (one program an SM) and two stages of 80 KB of tile
+# buffers (three do not fit); 64: 232 registers at 4 warps, two an SM; 16 and 32 (96 and 150 registers): by
+# registers, not measured. H200, twenty-first session, graph-replayed, bf16 (us): B=256 H=12 S=128 full rows
+# p=0.1 262.7 -> 211.5 (one program a (sequence, head) before), p=0 219.5 -> 166.9; B=128 H=16 full 176.6 -> 145.0,
+# lengths in [26, 128] 123.3 -> 111.1; S=64 60.1 -> 53.4. benchmarks/RESULTS.md.
+_SHORT_BWD_LAUNCH = {16: (4, 4, 2), 32: (4, 3, 2), 64: (4, 2, 2), 128: (8, 1, 2)}
 _INTERPRETER_CONFIG = (32, 32, 1, 1)
 
 
@@ -484,7 +561,7 @@ def _short_bwd_blocks(head_dim: int, max_seqlen: int):
     limit = _SHORT_BWD_MAX if head_dim <= 64 else min(_SHORT_BWD_MAX, 64)
     if block > limit:
         return None
-    # Two launches once sequences reach 128: the short half of a batch skips the 128-wide tiles.
+    # Two buckets once sequences reach 128: the short half of a batch skips the 128-wide tiles.
     return [64, 128] if block == 128 else [block]
 
 
@@ -493,18 +570,20 @@ def extras_pay(head_dim: int, max_seqlen: int) -> bool:
     ``_backward_packed(..., fp8=...)``, or the bias gradient's sums, ``colsums=True``) beat the 16-bit backward + a
     pass over dqkv on an H100: on the two-kernel path, longer sequences. B=32 H=16 S=512 p=0.1: FP8 602 vs 683 us
     full rows, 351 vs 387 at 60% fill (twelfth session); sums 584.7 vs 617.5 us with the bias GEMM (eighteenth). On
-    the fused short kernel (one program a (sequence, head) at the register cap, one at a time on an SM, its
+    the fused short backward (then one program a (sequence, head) at the register cap, one at a time on an SM, its
     epilogue's reductions exposed) B=128 S=128 p=0.1: FP8 278 vs 292 full rows, but 192 vs 185 at 60% fill; sums
-    236.1 vs 228.6 full rows, 259.9 vs 268.2 at lengths 20-128 (benchmarks/RESULTS.md)."""
+    236.1 vs 228.6 full rows, 259.9 vs 268.2 at lengths 20-128 (benchmarks/RESULTS.md; not re-measured on the
+    persistent kernel)."""
     return _short_bwd_blocks(head_dim, max_seqlen) is None
 
 
-def _short_bwd_launch(block: int, device: torch.device, dropout: bool):
-    """(BLOCK_M, num_warps, num_stages) of the fused short backward for ``block`` (the interpreter: 16-row
-    query blocks, to exercise the loop)."""
+def _short_bwd_launch(block: int, device: torch.device):
+    """(num_warps, programs, num_stages) of the fused short backward for ``block`` (the interpreter: a few
+    programs, so each loops over several tiles)."""
     if device.type != "cuda":
-        return min(16, block), 1, 1
-    return (_SHORT_BWD_LAUNCH if dropout else _SHORT_BWD_LAUNCH_NO_DROPOUT)[block]
+        return 1, 2, 1
+    warps, per_sm, stages = _SHORT_BWD_LAUNCH[block]
+    return warps, per_sm * num_sms(device), stages
 
 
 def _dropout_args(dropout_p: float):
@@ -579,8 +658,8 @@ def _backward_packed(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen: int,
     batch = cu_seqlens.shape[0] - 1
     blocks = _short_bwd_blocks(head_dim, max_seqlen)
     extras = None
-    if fp8 or colsums:  # a partial-sum row per program along the sequence: 1 (short path), else the longer grid's
-        tiles = 1 if blocks is not None else triton.cdiv(max_seqlen, min(
+    if fp8 or colsums:  # partial-sum rows: a bucket's (short path), else a program's along the sequence
+        tiles = len(blocks) if blocks is not None else triton.cdiv(max_seqlen, min(
             _launch_config("dq", head_dim, max_seqlen, q.device)[0],
             _launch_config("dkdv", head_dim, max_seqlen, q.device)[1]))
         extras = _Extras(fp8, dqkv, tiles * batch)
@@ -631,14 +710,18 @@ def _launch_backward(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen, drop
                   dout.stride(0), dout.stride(1), out.stride(0), out.stride(1), dq.stride(0), dq.stride(1))
     strides_kv = (dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1))
     if blocks is not None:
-        min_len = 0
-        for block in blocks:
-            block_m, warps, stages = _short_bwd_launch(block, q.device, dropout_p > 0.0)
-            _bwd_dkdv_kernel[(1, batch, nheads)](
-                q, k, v, out, dout, lse, lse, mask, dq, dk, dv, cu_seqlens, *strides_in, *strides_kv, *common, min_len,
-                *fp8_kv, BLOCK_M=block_m, BLOCK_N=block, FUSED_DQ=True, num_warps=warps, num_stages=stages,
-                **consts)
-            min_len = block
+        # the buckets' work lists ((starts, lengths) a bucket, list_len apart) and counts, on the device: no sync
+        list_len = max(16, triton.next_power_of_2(batch))
+        lists = torch.empty((len(blocks), 2, list_len), dtype=torch.int32, device=q.device)
+        counts = torch.empty((len(blocks),), dtype=torch.int32, device=q.device)
+        _short_lists_kernel[(1,)](cu_seqlens, lists, counts, batch, BLOCK_B=list_len, N_BUCKETS=len(blocks),
+                                  SMALLEST=blocks[0])
+        for j, block in enumerate(blocks):
+            warps, programs, stages = _short_bwd_launch(block, q.device)
+            _bwd_short_kernel[(programs,)](
+                q, k, v, out, dout, lse, mask, dq, dk, dv, lists[j], counts[j:], *strides_in, *strides_kv, *common,
+                nheads, list_len, j * batch, *fp8_kv, BLOCK=block, STAGES=stages, num_warps=warps,
+                num_stages=stages, **consts)
         return
     delta = torch.empty((nheads, total), dtype=torch.float32, device=q.device)
 
@@ -650,8 +733,8 @@ def _launch_backward(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen, drop
 
     block_m, block_n, warps, stages = _launch_config("dkdv", head_dim, max_seqlen, q.device)
     _bwd_dkdv_kernel[(triton.cdiv(max_seqlen, block_n), batch, nheads)](
-        q, k, v, out, dout, lse, delta, mask, dq, dk, dv, cu_seqlens, *strides_in, *strides_kv, *common, 0,
-        *fp8_kv, BLOCK_M=block_m, BLOCK_N=block_n, FUSED_DQ=False, num_warps=warps, num_stages=stages, **consts)
+        q, k, v, dout, lse, delta, mask, dk, dv, cu_seqlens, *strides_in[:8], *strides_kv, *common,
+        *fp8_kv, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **consts)
 
 
 # ============================================================================ torch custom ops
