@@ -534,6 +534,9 @@ _SHORT_BWD_MAX = 128
 # p=0.1 262.7 -> 211.5 (one program a (sequence, head) before), p=0 219.5 -> 166.9; B=128 H=16 full 176.6 -> 145.0,
 # lengths in [26, 128] 123.3 -> 111.1; S=64 60.1 -> 53.4. benchmarks/RESULTS.md.
 _SHORT_BWD_LAUNCH = {16: (4, 4, 2), 32: (4, 3, 2), 64: (4, 2, 2), 128: (8, 1, 2)}
+# The stages' tile buffers (q, k, v, dO, O) a program may take: two stages of 16-bit 128 x 64 tiles fit sm_90's
+# 227 KB beside what the kernel itself keeps in shared memory; fp32 tiles at 128 (246 KB) do not: one stage there.
+_SHORT_BWD_STAGE_BYTES = 2 * 5 * 128 * 64 * 2
 _INTERPRETER_CONFIG = (32, 32, 1, 1)
 
 
@@ -577,13 +580,16 @@ def extras_pay(head_dim: int, max_seqlen: int) -> bool:
     return _short_bwd_blocks(head_dim, max_seqlen) is None
 
 
-def _short_bwd_launch(block: int, device: torch.device):
-    """(num_warps, programs, num_stages) of the fused short backward for ``block`` (the interpreter: a few
-    programs, so each loops over several tiles)."""
-    if device.type != "cuda":
+def _short_bwd_launch(block: int, q: torch.Tensor):
+    """(num_warps, programs, num_stages) of the fused short backward for ``block`` and ``q``'s dtype and head
+    size (the interpreter: a few programs, so each loops over several tiles)."""
+    if q.device.type != "cuda":
         return 1, 2, 1
     warps, per_sm, stages = _SHORT_BWD_LAUNCH[block]
-    return warps, per_sm * num_sms(device), stages
+    tiles = 5 * block * _kernel_constants(q, 0.0)["BLOCK_D"] * q.element_size()
+    if tiles * stages > _SHORT_BWD_STAGE_BYTES:
+        stages = 1
+    return warps, per_sm * num_sms(q.device), stages
 
 
 def _dropout_args(dropout_p: float):
@@ -717,7 +723,7 @@ def _launch_backward(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen, drop
         _short_lists_kernel[(1,)](cu_seqlens, lists, counts, batch, BLOCK_B=list_len, N_BUCKETS=len(blocks),
                                   SMALLEST=blocks[0])
         for j, block in enumerate(blocks):
-            warps, programs, stages = _short_bwd_launch(block, q.device)
+            warps, programs, stages = _short_bwd_launch(block, q)
             _bwd_short_kernel[(programs,)](
                 q, k, v, out, dout, lse, mask, dq, dk, dv, lists[j], counts[j:], *strides_in, *strides_kv, *common,
                 nheads, list_len, j * batch, *fp8_kv, BLOCK=block, STAGES=stages, num_warps=warps,

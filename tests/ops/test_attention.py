@@ -285,7 +285,7 @@ def test_launch_shapes_keyed_by_dropout():
     assert A._launch_config("fwd", 128, 512, cuda, dropout=True) == A._GPU_CONFIGS[("fwd", 128, "long")]
     assert A._launch_config("fwd", 64, 40, cuda, dropout=True)[:2] == (64, 32)  # 64-row cap; 32 keys: whole words
     assert A._SHORT_BWD_LAUNCH.keys() == {16, 32, 64, 128}
-    assert A._short_bwd_launch(64, torch.device("cpu")) == (1, 2, 1)
+    assert A._short_bwd_launch(64, torch.empty(1, 1, 64)) == (1, 2, 1)
     assert A._launch_config("fwd", 64, 128, torch.device("cpu"), dropout=True) == A._INTERPRETER_CONFIG
 
 
