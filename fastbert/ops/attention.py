@@ -511,7 +511,8 @@ def _bwd_dq_kernel(
 # ============================================================================ host wrappers
 # Launch configurations as (BLOCK_M, BLOCK_N, num_warps, num_stages) per (kernel, head_dim bucket,
 # max_seqlen bucket), chosen for BERT on Hopper from `benchmarks/bench_attention.py --sweep`.
-# Backward of sequences up to _SHORT_BWD_MAX tokens: one fused program per (sequence, head).
+# Backward of sequences up to _SHORT_BWD_MAX tokens: the fused short kernel, one (sequence, head) tile at a time
+# (``_SHORT_BWD_LAUNCH``).
 _GPU_CONFIGS = {
     ("fwd", 64, "short"): (64, 64, 4, 3),
     ("fwd", 64, "long"): (64, 64, 4, 3),
