@@ -101,6 +101,23 @@ def test_empty_sequences_and_length_one_never_nan(backward_path):
         assert grad[t, :2].abs().max() < 1e-5
 
 
+def test_short_backward_work_lists():
+    """The fused short backward's lists: each length bucket (64: (0, 64], 128: (64, 128]) gets exactly its
+    sequences' starts and lengths in batch order, and their count; empty sequences belong to none."""
+    from fastbert.ops import attention as A
+    lengths = [0, 64, 65, 1, 128, 0, 3, 100, 64, 127]
+    cu = cu_seqlens_of(lengths)
+    lists = torch.full((2, 2, 16), -1, dtype=torch.int32, device=DEVICE)
+    counts = torch.full((2,), -1, dtype=torch.int32, device=DEVICE)
+    A._short_lists_kernel[(1,)](cu, lists, counts, len(lengths), BLOCK_B=16, N_BUCKETS=2, SMALLEST=64)
+    starts = cu[:-1].tolist()
+    for j, (lo, hi) in enumerate([(0, 64), (64, 128)]):
+        mine = [i for i, n in enumerate(lengths) if lo < n <= hi]
+        assert counts[j].item() == len(mine)
+        assert lists[j, 0, :len(mine)].tolist() == [starts[i] for i in mine]
+        assert lists[j, 1, :len(mine)].tolist() == [lengths[i] for i in mine]
+
+
 def test_softmax_scale_and_large_logits():
     # Large scores (scale 10 on N(0,1) inputs) stress the running max / log-sum-exp.
     lengths = [3, 30]
