@@ -105,11 +105,12 @@ def test_short_backward_work_lists():
     """The fused short backward's lists: each length bucket (64: (0, 64], 128: (64, 128]) gets exactly its
     sequences' starts and lengths in batch order, and their count; empty sequences belong to none."""
     from fastbert.ops import attention as A
-    lengths = [0, 64, 65, 1, 128, 0, 3, 100, 64, 127]
+    lengths = [0, 64, 65, 1, 128, 0, 3, 100, 64, 127, 77, 2]
     cu = cu_seqlens_of(lengths)
-    lists = torch.full((2, 2, 16), -1, dtype=torch.int32, device=DEVICE)
+    lists = torch.full((2, 2, len(lengths)), -1, dtype=torch.int32, device=DEVICE)
     counts = torch.full((2,), -1, dtype=torch.int32, device=DEVICE)
-    A._short_lists_kernel[(1,)](cu, lists, counts, len(lengths), BLOCK_B=16, N_BUCKETS=2, SMALLEST=64)
+    # chunks of 4: the count carries across chunks
+    A._short_lists_kernel[(1,)](cu, lists, counts, len(lengths), N_BUCKETS=2, SMALLEST=64, CHUNK=4)
     starts = cu[:-1].tolist()
     for j, (lo, hi) in enumerate([(0, 64), (64, 128)]):
         mine = [i for i, n in enumerate(lengths) if lo < n <= hi]
@@ -321,6 +322,15 @@ def test_gpu_bert_shapes(heads, dtype, seq):
 @pytest.mark.parametrize("head_dim", [32, 128])
 def test_gpu_head_dims_bf16(head_dim):
     assert_close_to_reference([1, 300, 77, 512], 4, head_dim, torch.bfloat16, device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_many_short_sequences():
+    """More sequences than the short backward's work-list kernel takes at a time (1,024): every chunk's sequences
+    are listed, so every token gets its gradient."""
+    g = torch.Generator().manual_seed(5)
+    assert_close_to_reference(torch.randint(1, 129, (1500,), generator=g).tolist(), 2, 64, torch.bfloat16,
+                              device="cuda")
 
 
 @pytest.mark.gpu
