@@ -591,10 +591,13 @@ def _short_bwd_launch(block: int, q: torch.Tensor):
     if q.device.type != "cuda":
         return 1, 2, 1
     warps, per_sm, stages = _SHORT_BWD_LAUNCH[block]
-    tiles = 5 * block * _kernel_constants(q, 0.0)["BLOCK_D"] * q.element_size()
-    if tiles * stages > _SHORT_BWD_STAGE_BYTES:
-        stages = 1
-    return warps, per_sm * num_sms(q.device), stages
+    return warps, per_sm * num_sms(q.device), _short_bwd_stages(block, _kernel_constants(q, 0.0)["BLOCK_D"],
+                                                                q.element_size(), stages)
+
+
+def _short_bwd_stages(block: int, block_d: int, itemsize: int, stages: int) -> int:
+    """``stages``, or 1 where that many stages' tile buffers (q, k, v, dO, O) exceed ``_SHORT_BWD_STAGE_BYTES``."""
+    return stages if 5 * block * block_d * itemsize * stages <= _SHORT_BWD_STAGE_BYTES else 1
 
 
 def _dropout_args(dropout_p: float):

@@ -12,8 +12,7 @@ tokens (``attention.extras_pay``), the attention backward kernels sum each tile 
 accumulators (a row of partial sums a program, then one small reduction: ``attention._backward_packed(...,
 colsums=True)``), 33 us a layer less at 32 x 512 tokens. On shorter ones the fused short kernel's sums cost
 more than the GEMM (+7.5 us a layer on full 128-token rows, measured before that kernel became persistent), so
-the GEMM stays. The input and weight gradients
-are ``linear_residual``'s GEMMs.
+the GEMM stays. The input and weight gradients are ``linear_residual``'s GEMMs.
 
 FP8: apart, the attention backward writes ``dqkv`` in 16 bits and the projection's backward casts it to e5m2 in a
 pass of its own (scale, codes, transposed codes, amax, the bias gradient's column sums): ~100 us a layer at
