@@ -140,7 +140,7 @@ def _stored_keep(mask_base, rows, col0, COLS: tl.constexpr, stride_mask_t, row_m
 
 @triton.jit
 def _stored_keep_t(mask_base, rows, col0, COLS: tl.constexpr, stride_mask_t, row_mask, seqlen):
-    """:func:`_stored_keep` transposed, ``(COLS, len(rows))`` (the key-major tile of the dK/dV kernel): the words
+    """:func:`_stored_keep` transposed, ``(COLS, len(rows))`` (the key-major tile of the backward kernels): the words
     read as bytes, unpacked (``keep_from_bits``) and the tile transposed. There, at the register limit,
     shifting a word per element cost more than the shuffle (sm_90 compile reports: spills 40 -> 112 bytes)."""
     groups = col0 // 8 + tl.arange(0, COLS // 8)
@@ -585,14 +585,13 @@ def extras_pay(head_dim: int, max_seqlen: int) -> bool:
     return _short_bwd_blocks(head_dim, max_seqlen) is None
 
 
-def _short_bwd_launch(block: int, q: torch.Tensor):
-    """(num_warps, programs, num_stages) of the fused short backward for ``block`` and ``q``'s dtype and head
-    size (the interpreter: a few programs, so each loops over several tiles)."""
+def _short_bwd_launch(block: int, q: torch.Tensor, block_d: int):
+    """(num_warps, programs, num_stages) of the fused short backward for ``block``, ``q``'s dtype and the kernels'
+    head block ``block_d`` (the interpreter: a few programs, so each loops over several tiles)."""
     if q.device.type != "cuda":
         return 1, 2, 1
     warps, per_sm, stages = _SHORT_BWD_LAUNCH[block]
-    return warps, per_sm * num_sms(q.device), _short_bwd_stages(block, _kernel_constants(q, 0.0)["BLOCK_D"],
-                                                                q.element_size(), stages)
+    return warps, per_sm * num_sms(q.device), _short_bwd_stages(block, block_d, q.element_size(), stages)
 
 
 def _short_bwd_stages(block: int, block_d: int, itemsize: int, stages: int) -> int:
@@ -730,7 +729,7 @@ def _launch_backward(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen, drop
         _short_lists_kernel[(1,)](cu_seqlens, lists, counts, batch, N_BUCKETS=len(blocks), SMALLEST=blocks[0],
                                   CHUNK=1024)
         for j, block in enumerate(blocks):
-            warps, programs, stages = _short_bwd_launch(block, q)
+            warps, programs, stages = _short_bwd_launch(block, q, consts["BLOCK_D"])
             _bwd_short_kernel[(programs,)](
                 q, k, v, out, dout, lse, mask, dq, dk, dv, lists[j], counts[j:], *strides_in, *strides_kv, *common,
                 nheads, batch, j * batch, *fp8_kv, BLOCK=block, STAGES=stages, num_warps=warps,

@@ -303,7 +303,7 @@ def test_launch_shapes_keyed_by_dropout():
     assert A._launch_config("fwd", 128, 512, cuda, dropout=True) == A._GPU_CONFIGS[("fwd", 128, "long")]
     assert A._launch_config("fwd", 64, 40, cuda, dropout=True)[:2] == (64, 32)  # 64-row cap; 32 keys: whole words
     assert A._SHORT_BWD_LAUNCH.keys() == {16, 32, 64, 128}
-    assert A._short_bwd_launch(64, torch.empty(1, 1, 64)) == (1, 2, 1)
+    assert A._short_bwd_launch(64, torch.empty(1, 1, 64), 64) == (1, 2, 1)
     # two stages of tile buffers where they fit sm_90's shared memory beside the kernel's own, else one (fp32 at
     # 128 tokens needed 246 KB for two: out of resources on the card)
     assert A._short_bwd_stages(128, 64, 2, 2) == 2 and A._short_bwd_stages(64, 128, 2, 2) == 2
