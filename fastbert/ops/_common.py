@@ -198,14 +198,20 @@ def row_block(n_cols: int, elems_per_warp: int = 1024):
     return block_m, block_n, num_warps
 
 
-def bwd_row_partition(m: int, n_cols: int, device: torch.device):
+def bwd_row_partition(m: int, n_cols: int, device: torch.device, elems_per_program: int = 2048,
+                      warps_per_sm: int = 16):
     """(BLOCK_M, BLOCK_N, num_warps, programs, rows_per_program) for a row-wise backward that also
-    reduces column sums (LayerNorm, embeddings): about two programs per SM, each walking whole
-    BLOCK_M strips of its rows and writing one partial sum per program."""
-    # a warp a 512 elements of the forward's tile: the same sweep kept 8 warps best for the LayerNorm backward
-    block_m, block_n, num_warps = row_block(n_cols, elems_per_warp=512)
-    block_m = max(1, block_m // 2)  # the backward holds more live tiles per row
-    programs = max(1, min(triton.cdiv(m, block_m), num_sms(device) * 2))
+    reduces column sums (LayerNorm, embeddings): about ``warps_per_sm`` warps of programs an SM, each program
+    walking whole BLOCK_M strips (about ``elems_per_program`` elements, 256 a warp) of its rows and writing one
+    partial sum. The embeddings' backward runs 2,048 elements a program (two programs of 8 warps an SM at BERT's
+    sizes); the LayerNorm backward, which loads the next strip during this one's math, 1,024 (four programs of 4
+    warps): 24-35% faster than 2,048 without the prefetch on an H200 (benchmarks/RESULTS.md, twenty-second
+    session)."""
+    block_n = max(8, triton.next_power_of_2(n_cols))  # >= 8: dropout draws 8 columns per Philox call
+    block_m = max(1, min(elems_per_program // block_n, 8))
+    num_warps = max(1, min(block_m * block_n // 256, 16))
+    programs_per_sm = max(1, warps_per_sm // num_warps)
+    programs = max(1, min(triton.cdiv(m, block_m), num_sms(device) * programs_per_sm))
     rows_per_program = triton.cdiv(triton.cdiv(max(m, 1), programs), block_m) * block_m
     programs = max(1, triton.cdiv(m, rows_per_program))
     return block_m, block_n, num_warps, programs, rows_per_program

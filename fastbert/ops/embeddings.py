@@ -99,7 +99,9 @@ def _emb_bwd_kernel(DY, IDS_W, IDS_P, IDS_T, WORD, POS, TYPE, LN_W, MEAN, RSTD,
         dy = tl.load(DY + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_DROPOUT:
             dy = tl.where(dropout_keep(tl.load(SEED), rows, 0, N, threshold, BLOCK_N), dy * scale, 0.0)
-        ds, xhat = layer_norm_bwd_rows(s, dy, w, MEAN, RSTD, rows, row_mask, mask, N)
+        mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        ds, xhat = layer_norm_bwd_rows(s, dy, w, mean, rstd, mask, N)
         dw_acc += dy * xhat
         db_acc += dy
         word_mask = mask

@@ -53,22 +53,38 @@ from fastbert.ops._common import (  # noqa: E402
 
 
 @triton.jit
-def _prenorm_sum(X, RES, XB, rows64, cols, mask, col_mask, N, stride_x, stride_res, threshold, scale, SEED,
-                 HAS_RES: tl.constexpr, HAS_XB: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """s = residual + dropout(x + x_bias) in fp32 for a (BLOCK_M, BLOCK_N) tile; also the keep mask and its
-    ``dropout_bits`` (without dropout: the mask, and the mask in place of bits)."""
-    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+def _prenorm_combine(x, res, xb, SEED, rows64, mask, N, threshold, scale,
+                     HAS_RES: tl.constexpr, HAS_XB: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """s = residual + dropout(x + x_bias) in fp32 for a (BLOCK_M, BLOCK_N) tile from its loaded rows (x, res in
+    their storage dtypes; xb the fp32 bias row); also the keep mask and its ``dropout_bits`` (without dropout:
+    the mask, and the mask in place of bits)."""
+    s = x.to(tl.float32)
     if HAS_XB:
-        x += tl.load(XB + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        s += xb[None, :]
     keep = mask
     bits = mask  # a placeholder: no bits without dropout
     if HAS_DROPOUT:
         bits = dropout_bits(tl.load(SEED), rows64, 0, N, threshold, BLOCK_N)
         keep = keep_from_bits(bits)
-        x = tl.where(keep, x * scale, 0.0)
+        s = tl.where(keep, s * scale, 0.0)
     if HAS_RES:
-        x += tl.load(RES + rows64[:, None] * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    return x, keep, bits
+        s += res.to(tl.float32)
+    return s, keep, bits
+
+
+@triton.jit
+def _prenorm_sum(X, RES, XB, rows64, cols, mask, col_mask, N, stride_x, stride_res, threshold, scale, SEED,
+                 HAS_RES: tl.constexpr, HAS_XB: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """:func:`_prenorm_combine` of a tile loaded here."""
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    res = 0.0
+    if HAS_RES:
+        res = tl.load(RES + rows64[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
+    xb = 0.0
+    if HAS_XB:
+        xb = tl.load(XB + cols, mask=col_mask, other=0.0).to(tl.float32)
+    return _prenorm_combine(x, res, xb, SEED, rows64, mask, N, threshold, scale, HAS_RES, HAS_XB, HAS_DROPOUT,
+                            BLOCK_N)
 
 
 @triton.jit
@@ -91,13 +107,11 @@ def layer_norm_stats(s, mask, N, eps):
 
 
 @triton.jit
-def layer_norm_bwd_rows(s, dy, w, MEAN, RSTD, rows, row_mask, mask, N):
+def layer_norm_bwd_rows(s, dy, w, mean, rstd, mask, N):
     """LayerNorm backward of a tile of rows: from the fp32 pre-norm rows ``s`` (recomputed), the fp32
-    output gradient ``dy``, the weight ``w`` and the stored statistics, the gradient of ``s`` and
-    ``xhat`` (d(weight) sums ``dy * xhat``). The one copy of the backward row math (this file's and
-    the embeddings')."""
-    mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
-    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    output gradient ``dy``, the weight ``w`` and the rows' stored statistics (fp32 ``(BLOCK_M,)``), the
+    gradient of ``s`` and ``xhat`` (d(weight) sums ``dy * xhat``). The one copy of the backward row math (this
+    file's and the embeddings')."""
     xhat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
     wdy = dy * w[None, :]
     c1 = tl.sum(xhat * wdy, axis=1) / N
@@ -139,6 +153,34 @@ def _ln_fwd_kernel(X, RES, XB, W, B, Y, S, BITS, MEAN, RSTD,
     tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _bwd_loads(DY, DS, X, RES, BITS, MEAN, RSTD, rows, row_end, cols, col_mask, N,
+               stride_dy, stride_ds, stride_x, stride_res,
+               HAS_DS: tl.constexpr, HAS_RES: tl.constexpr, HAS_DROPOUT: tl.constexpr, FROM_SUM: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """One strip's loads for the backward, in their storage dtypes: x (or the stored sum s), the residual (not
+    FROM_SUM), the mask bits (FROM_SUM), dy, ds, mean and rstd (0.0 for what the case has not)."""
+    row_mask = rows < row_end
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    res = 0.0
+    bits = 0
+    if FROM_SUM:
+        if HAS_DROPOUT:
+            ptrs, bmask = _bits_ptrs(BITS, rows64, row_mask, N, BLOCK_N)
+            bits = tl.load(ptrs, mask=bmask, other=0)
+    elif HAS_RES:
+        res = tl.load(RES + rows64[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+    ds = 0.0
+    if HAS_DS:
+        ds = tl.load(DS + rows64[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0)
+    mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    return x, res, bits, dy, ds, mean, rstd
+
+
 @triton.jit(do_not_specialize=["M", "rows_per_program", "threshold"])
 def _ln_bwd_kernel(DY, DS, X, RES, XB, W, BITS, MEAN, RSTD, DX, DRES, PART,
                    M, N, rows_per_program, stride_dy, stride_ds, stride_x, stride_res, stride_dx, stride_dres,
@@ -149,34 +191,47 @@ def _ln_bwd_kernel(DY, DS, X, RES, XB, W, BITS, MEAN, RSTD, DX, DRES, PART,
     """Each program walks ``rows_per_program`` rows, BLOCK_M at a time, and writes its partial
     column sums for dweight / dbias [/ dx_bias] as one row of PART ``(programs, 2 or 3, N)``, which one
     reduction sums afterwards (deterministic, no atomics). FROM_SUM: X is the stored pre-norm sum and the
-    dropout mask comes from BITS (RES is not read)."""
+    dropout mask comes from BITS (RES is not read).
+
+    The next strip's loads are issued before this strip's math (register prefetch): a program's loads no
+    longer wait on its reductions, 24-35% off the kernel at BERT's sizes on an H200 (benchmarks/RESULTS.md,
+    twenty-second session)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    xb = 0.0
+    if HAS_XB:
+        xb = tl.load(XB + cols, mask=col_mask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     dxb_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
+    nx, nres, nbits, ndy, nds, nmean, nrstd = _bwd_loads(
+        DY, DS, X, RES, BITS, MEAN, RSTD, row_start + tl.arange(0, BLOCK_M), row_end, cols, col_mask, N,
+        stride_dy, stride_ds, stride_x, stride_res, HAS_DS, HAS_RES, HAS_DROPOUT, FROM_SUM, BLOCK_N)
     for r in range(row_start, row_end, BLOCK_M):
+        x, res, bits, dy, ds_in, mean, rstd = nx, nres, nbits, ndy, nds, nmean, nrstd
         rows = r + tl.arange(0, BLOCK_M)
+        nx, nres, nbits, ndy, nds, nmean, nrstd = _bwd_loads(
+            DY, DS, X, RES, BITS, MEAN, RSTD, rows + BLOCK_M, row_end, cols, col_mask, N,
+            stride_dy, stride_ds, stride_x, stride_res, HAS_DS, HAS_RES, HAS_DROPOUT, FROM_SUM, BLOCK_N)
         row_mask = rows < row_end
         mask = row_mask[:, None] & col_mask[None, :]
         rows64 = rows.to(tl.int64)
         if FROM_SUM:
-            s = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            s = x.to(tl.float32)
             keep = mask
             if HAS_DROPOUT:
-                ptrs, bmask = _bits_ptrs(BITS, rows64, row_mask, N, BLOCK_N)
-                keep = keep_from_bits(tl.load(ptrs, mask=bmask, other=0))
+                keep = keep_from_bits(bits)
         else:
-            s, keep, _ = _prenorm_sum(X, RES, XB, rows64, cols, mask, col_mask, N, stride_x, stride_res, threshold,
-                                      scale, SEED, HAS_RES, HAS_XB, HAS_DROPOUT, BLOCK_N)
-        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        ds, xhat = layer_norm_bwd_rows(s, dy, w, MEAN, RSTD, rows, row_mask, mask, N)
+            s, keep, _ = _prenorm_combine(x, res, xb, SEED, rows64, mask, N, threshold, scale,
+                                          HAS_RES, HAS_XB, HAS_DROPOUT, BLOCK_N)
+        dy = dy.to(tl.float32)
+        ds, xhat = layer_norm_bwd_rows(s, dy, w, mean, rstd, mask, N)
         if HAS_DS:
-            ds += tl.load(DS + rows64[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            ds += ds_in.to(tl.float32)
         if STORE_DRES:
             tl.store(DRES + rows64[:, None] * stride_dres + cols[None, :], ds.to(DRES.dtype.element_ty), mask=mask)
         dx = ds
@@ -244,7 +299,7 @@ def layer_norm_bwd(dy, ds, x, residual, weight, bias, x_bias, mean, rstd, dropou
     store_dres = residual is not None and (dropout_p > 0.0 or residual.dtype != x.dtype)
     dres = torch.empty((m, n) if store_dres else (0,), dtype=residual.dtype if residual is not None else x.dtype,
                        device=x.device)
-    block_m, block_n, num_warps, programs, rows_per_program = bwd_row_partition(m, n, x.device)
+    block_m, block_n, num_warps, programs, rows_per_program = bwd_row_partition(m, n, x.device, elems_per_program=1024)
     # one partial-sum buffer and one reduction for all three column sums (three launches cost ~12 us more)
     part = torch.empty((programs, 3 if x_bias is not None else 2, n), dtype=torch.float32, device=x.device)
     if m > 0:

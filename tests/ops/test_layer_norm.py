@@ -116,6 +116,22 @@ def test_post_ln_dropout_matches_masked_reference(dtype):
     check_against_reference(inputs, dtype, prenorm=False, mask=mask, p=0.1, seed=77)
 
 
+@pytest.mark.parametrize("prenorm", [True, False])
+def test_backward_walks_several_strips_a_program(prenorm):
+    """The backward's programs walk several row strips each, loading the next strip during this one's math; 190
+    rows of 96 columns give every program three strips of 8 rows (the last program 8, 8, 6: its prefetch past
+    the end is masked). Every gradient equals the masked reference, Pre-LN (stored sum and bits) and Post-LN
+    (recomputed sum, mask drawn again)."""
+    from fastbert.ops._common import bwd_row_partition
+    block_m, _, _, programs, rows_per_program = bwd_row_partition(190, 96, torch.device(DEVICE),
+                                                                  elems_per_program=1024)
+    if DEVICE == "cpu":
+        assert (block_m, programs, rows_per_program) == (8, 8, 24)
+    inputs = make_inputs((5, 38, 96), torch.float32)
+    mask = dropout_mask(5, 190, 96, 0.2, DEVICE)
+    check_against_reference(inputs, torch.float32, prenorm=prenorm, mask=mask, p=0.2, seed=5)
+
+
 @pytest.mark.parametrize("prenorm,p", [(True, 0.0), (True, 0.2), (False, 0.2)])
 def test_backward_reads_the_stored_sum_not_x(prenorm, p):
     """Pre-LN keeps the pre-norm sum, not x, for the backward (x, a GEMM's output, can go), and its forward's
