@@ -205,7 +205,7 @@ def bwd_row_partition(m: int, n_cols: int, device: torch.device, elems_per_progr
     walking whole BLOCK_M strips (about ``elems_per_program`` elements, 256 a warp) of its rows and writing one
     partial sum. The embeddings' backward runs 2,048 elements a program (two programs of 8 warps an SM at BERT's
     sizes); the LayerNorm backward, which loads the next strip during this one's math, 1,024 (four programs of 4
-    warps): 24-35% faster than 2,048 without the prefetch on an H200 (benchmarks/RESULTS.md, twenty-second
+    warps): 23-34% faster than 2,048 without the prefetch on an H200 (benchmarks/RESULTS.md, twenty-second
     session)."""
     block_n = max(8, triton.next_power_of_2(n_cols))  # >= 8: dropout draws 8 columns per Philox call
     block_m = max(1, min(elems_per_program // block_n, 8))

@@ -194,7 +194,7 @@ def _ln_bwd_kernel(DY, DS, X, RES, XB, W, BITS, MEAN, RSTD, DX, DRES, PART,
     dropout mask comes from BITS (RES is not read).
 
     The next strip's loads are issued before this strip's math (register prefetch): a program's loads no
-    longer wait on its reductions, 24-35% off the kernel at BERT's sizes on an H200 (benchmarks/RESULTS.md,
+    longer wait on its reductions, 23-34% off the kernel at BERT's sizes on an H200 (benchmarks/RESULTS.md,
     twenty-second session)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
