@@ -150,6 +150,26 @@ def _stored_keep_t(mask_base, rows, col0, COLS: tl.constexpr, stride_mask_t, row
 
 
 @triton.jit
+def _key_major_grads(q, k, v, do, lse, delta, dv, mask_k, mask_q, mask_base, rows, col0, stride_mask_t, seqlen,
+                     qk_scale, keep_scale, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The key-major backward of one tile of keys (k, v) against queries (q, dO, their log-sum-exp and delta),
+    both backward kernels' core: P^T rebuilt from the log-sum-exp (S^T = K Q^T), dV accumulated into ``dv`` from
+    the dropped P^T, and dS^T = P^T * (dP^T - delta) in q's dtype. The dropout keep tile is read here
+    (``_stored_keep_t`` of the query rows ``rows`` and the keys from ``col0``). Returns ``(dsT, dv)``."""
+    qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
+    pT = tl.math.exp2(qkT - lse[None, :])
+    pT = tl.where(mask_k[:, None] & mask_q[None, :], pT, 0.0)
+    dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (dO V^T)^T
+    if HAS_DROPOUT:
+        keepT = _stored_keep_t(mask_base, rows, col0, k.shape[0], stride_mask_t, mask_q, seqlen)
+        dv = tl.dot(tl.where(keepT, pT * keep_scale, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dpT = tl.where(keepT, dpT * keep_scale, 0.0)
+    else:
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+    return (pT * (dpT - delta[None, :])).to(q.dtype), dv
+
+
+@triton.jit
 def _store_grad(P, x, start64, head, stride_t, stride_h, rows, offs_d, row_mask, mask_d, scale,
                 FP8_OUT: tl.constexpr, COLSUMS: tl.constexpr, HW: tl.constexpr):
     """Store the fp32 gradient tile ``x`` (rows ``rows`` of a sequence starting at token ``start64``, one head)
@@ -322,19 +342,9 @@ def _bwd_short_kernel(
         o = _load_rows(O, 0, head, stride_ot, stride_oh, rows, offs_d, mask_td)
         lse = tl.load(LSE + head * stride_lse_h + rows, mask=mask_t, other=0.0)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-        # Transposed probabilities P^T (keys, queries), rebuilt from the stored log-sum-exp.
-        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
-        pT = tl.math.exp2(qkT - lse[None, :])
-        pT = tl.where(mask_t[:, None] & mask_t[None, :], pT, 0.0)
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (dO V^T)^T
-        if HAS_DROPOUT:
-            keepT = _stored_keep_t(MASK + head.to(tl.int64) * stride_mask_h, rows, 0, BLOCK, stride_mask_t, mask_t,
-                                   seqlen)
-            dv = tl.dot(tl.where(keepT, pT * keep_scale, 0.0).to(do.dtype), do, input_precision=DOT_PRECISION)
-            dpT = tl.where(keepT, dpT * keep_scale, 0.0)
-        else:
-            dv = tl.dot(pT.to(do.dtype), do, input_precision=DOT_PRECISION)
-        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+        dsT, dv = _key_major_grads(q, k, v, do, lse, delta, tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32), mask_t,
+                                   mask_t, MASK + head.to(tl.int64) * stride_mask_h, rows, 0, stride_mask_t, seqlen,
+                                   qk_scale, keep_scale, HAS_DROPOUT, DOT_PRECISION)
         dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION) * softmax_scale
         dq_amax, dq_sums = _store_grad(DQ, dq, 0, head, stride_dqt, stride_dqh, rows, offs_d, mask_t, mask_d, scale,
                                        FP8_OUT, COLSUMS, HW)
@@ -410,18 +420,8 @@ def _bwd_dkdv_kernel(
         do = _load_rows(DO, start64, head, stride_dot, stride_doh, rows, offs_d, mask_md)
         lse = tl.load(lse_base + rows, mask=mask_m, other=0.0)
         delta = tl.load(delta_base + rows, mask=mask_m, other=0.0)
-        # Transposed probabilities P^T (BLOCK_N, BLOCK_M), rebuilt from the stored log-sum-exp.
-        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
-        pT = tl.math.exp2(qkT - lse[None, :])
-        pT = tl.where(mask_n[:, None] & mask_m[None, :], pT, 0.0)
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (dO V^T)^T
-        if HAS_DROPOUT:
-            keepT = _stored_keep_t(mask_base, rows, pid_n * BLOCK_N, BLOCK_N, stride_mask_t, mask_m, seqlen)
-            dv = tl.dot(tl.where(keepT, pT * keep_scale, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-            dpT = tl.where(keepT, dpT * keep_scale, 0.0)
-        else:
-            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+        dsT, dv = _key_major_grads(q, k, v, do, lse, delta, dv, mask_n, mask_m, mask_base, rows, pid_n * BLOCK_N,
+                                   stride_mask_t, seqlen, qk_scale, keep_scale, HAS_DROPOUT, DOT_PRECISION)
         dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
 
     dk = dk * softmax_scale
