@@ -186,15 +186,20 @@ def check_hidden(n: int, what: str):
 
 
 # ----------------------------------------------------------------------------- launch settings
-def row_block(n_cols: int, elems_per_warp: int = 1024):
+def _row_block_n(n_cols: int) -> int:
+    """BLOCK_N of the row kernels: whole rows, >= 8 columns (dropout draws 8 columns per Philox call)."""
+    return max(8, triton.next_power_of_2(n_cols))
+
+
+def row_block(n_cols: int):
     """(BLOCK_M, BLOCK_N, num_warps) for a kernel that keeps whole rows of ``n_cols`` in registers:
     several short rows per program so each program moves ~4K elements (16-byte accesses, enough
     loads in flight), one long row with more warps for wide hidden sizes. A warp a 1,024 elements: the
     LayerNorm forward at BERT's sizes ran 15-25% faster with 4 warps than with 8 on an H200 (graph-replayed,
     benchmarks/RESULTS.md, twentieth session)."""
-    block_n = max(8, triton.next_power_of_2(n_cols))  # >= 8: dropout draws 8 columns per Philox call
+    block_n = _row_block_n(n_cols)
     block_m = max(1, min(4096 // block_n, 16))
-    num_warps = max(1, min(block_m * block_n // elems_per_warp, 16))
+    num_warps = max(1, min(block_m * block_n // 1024, 16))
     return block_m, block_n, num_warps
 
 
@@ -207,7 +212,7 @@ def bwd_row_partition(m: int, n_cols: int, device: torch.device, elems_per_progr
     sizes); the LayerNorm backward, which loads the next strip during this one's math, 1,024 (four programs of 4
     warps): 23-34% faster than 2,048 without the prefetch on an H200 (benchmarks/RESULTS.md, twenty-second
     session)."""
-    block_n = max(8, triton.next_power_of_2(n_cols))  # >= 8: dropout draws 8 columns per Philox call
+    block_n = _row_block_n(n_cols)
     block_m = max(1, min(elems_per_program // block_n, 8))
     num_warps = max(1, min(block_m * block_n // 256, 16))
     programs_per_sm = max(1, warps_per_sm // num_warps)

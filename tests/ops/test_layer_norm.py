@@ -8,7 +8,7 @@ interpreter (tests/conftest.py), hence the small shapes.
 import pytest
 import torch
 
-from fastbert.ops._common import dropout_mask
+from fastbert.ops._common import bwd_row_partition, dropout_mask
 from fastbert.ops.layer_norm import dropout_add_layer_norm, dropout_add_layer_norm_ref
 from ops_testing import DEVICE, assert_compiled_matches_eager, assert_within
 
@@ -122,7 +122,6 @@ def test_backward_walks_several_strips_a_program(prenorm):
     rows of 96 columns give every program three strips of 8 rows (the last program 8, 8, 6: its prefetch past
     the end is masked). Every gradient equals the masked reference, Pre-LN (stored sum and bits) and Post-LN
     (recomputed sum, mask drawn again)."""
-    from fastbert.ops._common import bwd_row_partition
     block_m, _, _, programs, rows_per_program = bwd_row_partition(190, 96, torch.device(DEVICE),
                                                                   elems_per_program=1024)
     if DEVICE == "cpu":
