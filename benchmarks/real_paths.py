@@ -14,8 +14,9 @@ autocast, fused AdamW) and fastbert's model in the same bare loop (the model alo
 ``fastbert pretrain`` command (DeepSpeed, loader, device masking, guard, logging) for each variant
 in ``--variants`` (ZeRO stage, packing, guard; ``no-sm90``: the FFN's GELU as passes of their own, not inside the
 sm_90 GEMMs, through ``FASTBERT_GEMM_SM90=0``; ``no-graph-accum``: accumulated gradients added by autograd after
-each graph replay, through ``FASTBERT_GRAPH_ACCUMULATE=0``). sequences/s count real sequences (several share a
-row when fastbert packs), so every line measures the same data consumed per second.
+each graph replay, through ``FASTBERT_GRAPH_ACCUMULATE=0``; ``no-weight-casts``: the weights cast to 16 bits in
+every forward, not once per optimizer step, through ``FASTBERT_WEIGHT_CASTS=0``). sequences/s count real sequences
+(several share a row when fastbert packs), so every line measures the same data consumed per second.
 
 ``finetune``: ``fastbert finetune --task sst2`` beside HF ``Trainer`` (SDPA, bf16,
 ``DataCollatorWithPadding``) from the same random-init BERT-base checkpoint (HF layout, the
@@ -61,6 +62,7 @@ VARIANTS = {  # name: (extra `fastbert pretrain` overrides, environment set for 
     "no-sm90": ([], {"FASTBERT_GEMM_SM90": "0"}),          # the FFN without the sm_90 GELU GEMMs
     "no-graph-accum": ([], {"FASTBERT_GRAPH_ACCUMULATE": "0"}),  # autograd adds each micro-batch's gradients
     "no-qkv-fused": ([], {"FASTBERT_QKV_ATTENTION": "0"}),  # the QKV projection and attention as two ops
+    "no-weight-casts": ([], {"FASTBERT_WEIGHT_CASTS": "0"}),  # the weights cast to 16 bits in every forward
     "fp8-no-graph-accum": (["train.precision=fp8"], {"FASTBERT_GRAPH_ACCUMULATE": "0"}),
 }
 FT_VARIANTS = {  # name: extra `fastbert finetune` flags

@@ -20,6 +20,7 @@ from fastbert import encoder_fn
 from fastbert.config import BertConfig, gelu_approximate
 from fastbert.encoder_fn import EmbeddingWeights, LayerDropout, LayerNormWeights, LayerWeights
 from fastbert.ops import get_ops
+from fastbert.ops._common import seed_draws
 from fastbert.ops.fp8 import AmaxHistory
 from fastbert.padding import pad, unpad_mask
 from fastbert.padding_rows import Rows, padding_need_counts, pooled_position, select_rows
@@ -337,8 +338,10 @@ class BertModel(BertPreTrainedModel):
             starts = torch.repeat_interleave(cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long(),
                                              output_size=input_ids.shape[0])
             position_ids = torch.arange(input_ids.shape[0], device=input_ids.device) - starts
-        x = self.embeddings(ops, input_ids, position_ids, token_type_ids)
-        return self.encoder(ops, x, cu_seqlens, max_seqlen, output_hidden_states, output_attentions, rows)
+        # every dropout site's seed from one draw (the embeddings' and three a layer; ops/_common.seed_draws)
+        with seed_draws(input_ids.device, 3 * self.config.num_hidden_layers + 1):
+            x = self.embeddings(ops, input_ids, position_ids, token_type_ids)
+            return self.encoder(ops, x, cu_seqlens, max_seqlen, output_hidden_states, output_attentions, rows)
 
     def encode_packed(self, packed: dict) -> torch.Tensor:
         """The encoder on a static-shape batch (``data/static_batch.py``): ``input_ids``,

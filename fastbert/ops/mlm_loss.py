@@ -71,6 +71,7 @@ def _static_ref(hidden, labels, positions, dense_weight, dense_bias, ln_weight, 
 # d(logits) = (softmax - onehot) * g / n (n x chunk, the only logits-sized buffer), then two cuBLAS
 # matmuls accumulate d(hidden) and write the chunk's rows of d(decoder_weight).
 
+from fastbert.ops import weight_casts  # noqa: E402
 from fastbert.ops._common import INTERPRET, check_triton_device, register_op, tl, triton  # noqa: E402
 from fastbert.ops.ffn import linear_bias_gelu  # noqa: E402
 from fastbert.ops.layer_norm import dropout_add_layer_norm  # noqa: E402
@@ -305,12 +306,16 @@ _bwd_op = register_op(
 
 # ============================================================================= autograd + entry point
 class LinearCrossEntropyFn(torch.autograd.Function):
-    """Mean cross-entropy of ``h @ weight.T + bias`` (the decoder) fused with the loss."""
+    """Mean cross-entropy of ``h @ weight.T + bias`` (the decoder) fused with the loss. The decoder runs in h's dtype
+    (the autocast dtype under torch.autocast): the parameters are cast inside (``weight_casts``), their gradients
+    returned in their own dtype."""
 
     @staticmethod
     def forward(ctx, h, weight, bias, labels):
-        loss, lse, correct = _fwd_op(h, weight, bias, labels)
-        ctx.save_for_backward(h, weight, bias, labels, lse)
+        w, b = weight_casts.cast(weight, h.dtype), weight_casts.cast(bias, h.dtype)
+        loss, lse, correct = _fwd_op(h, w, b, labels)
+        ctx.save_for_backward(h, w, b, labels, lse)
+        ctx.dtypes = weight.dtype, bias.dtype
         ctx.mark_non_differentiable(correct)
         return loss, correct
 
@@ -318,7 +323,7 @@ class LinearCrossEntropyFn(torch.autograd.Function):
     def backward(ctx, dloss, _dcorrect):
         h, weight, bias, labels, lse = ctx.saved_tensors
         dh, dw, db = _bwd_op(dloss, h, weight, bias, labels, lse)
-        return dh, dw, db, None
+        return dh, dw.to(ctx.dtypes[0]), db.to(ctx.dtypes[1]), None
 
 
 def sparse_mlm_loss(hidden, labels, dense_weight, dense_bias, ln_weight, ln_bias, eps,
@@ -360,7 +365,5 @@ def _fused_head(h, y, dense_weight, dense_bias, ln_weight, ln_bias, eps, decoder
     h = dropout_add_layer_norm(h, None, ln_weight, ln_bias, eps)
     if decoder_bias is None:
         decoder_bias = torch.zeros(v, dtype=decoder_weight.dtype, device=decoder_weight.device)
-    # The decoder runs in the transform's dtype (the autocast dtype under torch.autocast).
-    decoder_weight, decoder_bias = decoder_weight.to(h.dtype), decoder_bias.to(h.dtype)
     loss, correct = LinearCrossEntropyFn.apply(h.contiguous(), decoder_weight, decoder_bias, y.contiguous())
     return loss, correct

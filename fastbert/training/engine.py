@@ -30,6 +30,8 @@ from typing import Callable, Optional, Union
 import numpy as np
 import torch
 
+from fastbert.ops import weight_casts
+from fastbert.ops.weight_casts import WeightCasts
 from fastbert.training.optim import (OptimizerSpec, build_client_optimizer, ds_optimizer_entry,
                                      param_groups)
 
@@ -318,6 +320,9 @@ class TrainEngine:
         self._grad_norm: Optional[torch.Tensor] = None
         self._clipped = False                    # the guard clipped this step already (to read the norm)
         self.graphs = None                       # a GraphedModel once enable_cuda_graphs succeeded
+        # The 16-bit casts of the fp32 weights, made once per optimizer step (ops/weight_casts.py). Not with
+        # ZeRO-3: its parameters are gathered and released module by module inside the forward.
+        self.casts = WeightCasts() if self.zero_stage < 3 and weight_casts.enabled() else None
 
     @property
     def precision_name(self) -> str:
@@ -393,6 +398,17 @@ class TrainEngine:
         return float(norm.item() if torch.is_tensor(norm) else norm)
 
     def __call__(self, *args, **kwargs):
+        """The model's forward. The first micro-batch of an optimizer step (and any forward between steps: evaluation)
+        first rewrites the weights' 16-bit copies from the weights, which can only have changed before it (the
+        optimizer step, a checkpoint load); the later micro-batches of the step reuse them."""
+        if self.casts is None:
+            return self._forward(*args, **kwargs)
+        if self._micro == 0:
+            self.casts.refresh()
+        with self.casts.active():
+            return self._forward(*args, **kwargs)
+
+    def _forward(self, *args, **kwargs):
         if self.graphs is not None and not args and "packed" in kwargs:
             out = self.graphs(kwargs["packed"])
             if out is not None:

@@ -180,6 +180,46 @@ def test_graphs_captured_after_own_grads_add_gradients_themselves(precision, acc
 
 @gpu
 @needs_cuda
+def test_replays_read_the_weight_copies_the_engine_refreshes():
+    """The engine's weight casts (ops/weight_casts.py) with graphs: the copies refreshed before each optimizer step's
+    first micro-batch, the captured steps read them; four AdamW steps of two micro-batches give the losses of eager
+    steps that cast in every forward, while the weights move far more than the tolerance between steps."""
+    import copy
+    from fastbert.ops.weight_casts import WeightCasts
+    model = _model(0.0)
+    ref = copy.deepcopy(model)
+    graphed, casts = _graphed(model, "bf16"), WeightCasts()
+    a, b = _batch(6), _batch(6)
+    b["labels"] = (b["labels"] + 1) % 3
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16)
+    opts = [torch.optim.AdamW(m.parameters(), lr=3e-2) for m in (model, ref)]
+    losses, ref_losses = [], []
+    for step in range(4):            # step 0: a eager (first sight), b captured and replayed; then replays
+        model.zero_grad(set_to_none=True)
+        graphed.own_grads()
+        for m, packed in enumerate((a, b)):
+            with casts.active():
+                if m == 0:
+                    casts.refresh()
+                with autocast:
+                    out = graphed(packed) or model(packed=packed)
+            out.loss.backward()
+            losses.append(float(out.loss))
+        ref.zero_grad(set_to_none=True)
+        for packed in (a, b):
+            with autocast:
+                out = ref(packed=packed)
+            out.loss.backward()
+            ref_losses.append(float(out.loss))
+        for opt in opts:
+            opt.step()
+    assert graphed.replays == 7 and len(casts) > 0
+    assert abs(ref_losses[-1] - ref_losses[0]) > 0.2, ref_losses     # a stale copy would show
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=2e-3)
+
+
+@gpu
+@needs_cuda
 def test_eval_mode_runs_eagerly():
     model = _model(0.1)
     graphed = _graphed(model, "fp32")

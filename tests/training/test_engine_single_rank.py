@@ -1,6 +1,6 @@
 """One data-parallel rank at ZeRO-0 (`fastbert pretrain`'s and `fastbert finetune`'s engines): the backward leaves
 the gradients where autograd put them (DeepSpeed's reduction over one rank, a flatten + all-reduce + copy back, is
-skipped) and they equal plain torch's."""
+skipped) and they equal plain torch's; the weights' 16-bit copies are rewritten once per optimizer step."""
 import subprocess
 import sys
 
@@ -33,6 +33,32 @@ from fastbert.tasks.trainer import TrainArgs, build_finetune_engine, param_group
 head = torch.nn.Linear(8, 2)
 ft = build_finetune_engine(head, param_groups(head, 1e-3, None, 0.01, False), TrainArgs(batch_size=4, progress=False))
 assert ft.ds.enable_backward_allreduce is False
+
+# The weights' 16-bit copies (ops/weight_casts.py): rewritten before the first micro-batch of each optimizer step,
+# the same buffers reused by the step's other micro-batches and after the update.
+from fastbert.ops import weight_casts
+class Probe(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 2)
+        self.seen = []
+    def forward(self, x):
+        c = weight_casts.cast(self.lin.weight, torch.float16)
+        self.seen.append((c, c.clone(), self.lin.weight.detach().half()))
+        return self.lin(x)
+probe = Probe()
+e = eng.build_engine(probe, optimizer={"type": "adamw", "lr": 1e-1}, micro_batch_size=4, global_batch_size=8,
+                     precision="fp32", gradient_clipping=0.0, zero_stage=0)
+refreshes = []
+real_refresh = e.casts.refresh
+e.casts.refresh = lambda: (refreshes.append(len(probe.seen)), real_refresh())
+for i in range(4):                     # two optimizer steps of two micro-batches
+    e.backward(e(torch.randn(4, 8)).pow(2).mean())
+    e.step()
+assert refreshes == [0, 2], refreshes
+assert all(c is probe.seen[0][0] for c, _, _ in probe.seen)                   # one buffer throughout
+assert all(torch.equal(v, w) for _, v, w in probe.seen)                       # each forward saw the current weights
+assert not torch.equal(probe.seen[1][1], probe.seen[2][1])                    # the update reached the copy
 print("OK")
 '''
 

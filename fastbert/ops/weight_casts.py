@@ -1,0 +1,88 @@
+"""16-bit copies of fp32 master weights, cast once per optimizer step rather than in every forward.
+
+Under ``torch.autocast`` the fused ops take their fp32 parameters and cast them to the autocast dtype inside
+(``linear.py``), in every forward: ~150 casts of 335 M parameters a BERT-large micro-batch (~0.75 ms of an H200 and
+a launch each, benchmarks/RESULTS.md), the same values in all 32 micro-batches of the academic-budget recipe's
+accumulated step. While a :class:`WeightCasts` is active (``with casts.active():``) the ops take a parameter's copy
+from it instead: made at its first use, and rewritten in place by :meth:`WeightCasts.refresh` (one multi-tensor copy
+into the same buffers, so CUDA graphs that read them stay valid), which the owner calls whenever the weights may
+have changed since: ``TrainEngine`` before the first micro-batch of every optimizer step (training/engine.py).
+Outside ``active()`` nothing is kept and the ops cast as before. The copies hold the casts' own values, so results
+are bit-identical either way. ``FASTBERT_WEIGHT_CASTS=0`` turns them off where training would keep them
+(:func:`enabled`).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import torch
+
+_state = threading.local()  # .casts: the active WeightCasts of this thread, or None
+
+
+class WeightCasts:
+    """A parameter's copy in a dtype, per (parameter, dtype) first asked for while active."""
+
+    def __init__(self):
+        self._copies: dict[tuple[int, torch.dtype], tuple[torch.nn.Parameter, torch.Tensor]] = {}
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+    def get(self, p: torch.nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
+        """``p``'s copy in ``dtype`` (made now if there is none, or if ``p`` changed shape or device since)."""
+        key = (id(p), dtype)
+        hit = self._copies.get(key)
+        if hit is not None and hit[0] is p and hit[1].shape == p.shape and hit[1].device == p.device:
+            return hit[1]
+        with torch.no_grad():
+            copy = p.detach().to(dtype, copy=True)
+        self._copies[key] = (p, copy)  # holds p: its id cannot be reused while the entry lives
+        return copy
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Rewrite every copy from its parameter's current values: one multi-tensor copy per (device, dtype
+        pair). Through ``.data``, so a copy's autograd version does not move (a forward's saved copy stays
+        usable by its backward when nothing changed); a parameter that changed shape or device gets a new
+        copy at its next use instead."""
+        groups: dict = {}
+        for key, (p, copy) in list(self._copies.items()):
+            if copy.shape != p.shape or copy.device != p.device:
+                del self._copies[key]
+                continue
+            dst, src = groups.setdefault((p.device, p.dtype, copy.dtype), ([], []))
+            dst.append(copy.data)
+            src.append(p.data)
+        for dst, src in groups.values():
+            torch._foreach_copy_(dst, src)
+
+    def clear(self) -> None:
+        self._copies.clear()
+
+    @contextlib.contextmanager
+    def active(self):
+        """The ops of this thread take parameters' copies from here inside the block."""
+        prev = getattr(_state, "casts", None)
+        _state.casts = self
+        try:
+            yield self
+        finally:
+            _state.casts = prev
+
+
+def enabled() -> bool:
+    """Whether training keeps the copies (``FASTBERT_WEIGHT_CASTS``, default on)."""
+    return os.environ.get("FASTBERT_WEIGHT_CASTS", "1") != "0"
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``; for a parameter while a :class:`WeightCasts` is active, its copy from there."""
+    if t.dtype == dtype:
+        return t
+    casts = getattr(_state, "casts", None)
+    if casts is not None and isinstance(t, torch.nn.Parameter) and not torch.compiler.is_compiling():
+        return casts.get(t, dtype)
+    return t.to(dtype)
