@@ -260,8 +260,6 @@ def run_contender(name, inp: Inputs, warmup, steps, device, profile=False, out_d
     graphs, batches = None, inp.batches
     if name in ("fb-graphs", "fb-fp8-graphs"):
         from fastbert.training.cuda_graphs import GraphedModel
-        from fastbert.ops import weight_casts
-        from fastbert.ops.weight_casts import WeightCasts
         graphs = GraphedModel(model, "bf16")
         graphs.activate()  # the training stream, before any backward makes gradient accumulators (as the engine)
         slots = mlm_slots(batches, inp.fcfg.vocab_size)
@@ -275,20 +273,15 @@ def run_contender(name, inp: Inputs, warmup, steps, device, profile=False, out_d
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01,
                                 fused=True)
 
-        # As TrainEngine: the weights' 16-bit casts made once per optimizer step (here every step), ops/weight_casts.py
-        casts = WeightCasts() if graphs is not None and weight_casts.enabled() else None
-
         def step(kw):
             # As TrainEngine: a graph's output, else the eager model (first sight of a shape, eval); no outer
             # autocast around the graphs, they capture under their own. One micro-batch a step, so the engine
-            # never calls graphs.own_grads() and DeepSpeed's ZeRO-0 step sets the gradients to None.
-            with casts.active() if casts is not None else contextlib.nullcontext():
-                if casts is not None:
-                    casts.refresh()
-                out = graphs(kw["packed"]) if graphs is not None else None
-                if out is None:
-                    with autocast:
-                        out = step_model(**kw)
+            # never calls graphs.own_grads() and DeepSpeed's ZeRO-0 step sets the gradients to None, nor keeps the
+            # weights' 16-bit casts (ops/weight_casts.py: only when accumulating).
+            out = graphs(kw["packed"]) if graphs is not None else None
+            if out is None:
+                with autocast:
+                    out = step_model(**kw)
             out.loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -6,7 +6,8 @@ a launch each, benchmarks/RESULTS.md), the same values in all 32 micro-batches o
 accumulated step. While a :class:`WeightCasts` is active (``with casts.active():``) the ops take a parameter's copy
 from it instead: made at its first use, and rewritten in place by :meth:`WeightCasts.refresh` (one multi-tensor copy
 into the same buffers, so CUDA graphs that read them stay valid), which the owner calls whenever the weights may
-have changed since: ``TrainEngine`` before the first micro-batch of every optimizer step (training/engine.py).
+have changed since: ``TrainEngine`` before the first micro-batch of every optimizer step, when its steps accumulate
+several micro-batches (training/engine.py; with one, the refresh is every cast again, each step).
 Outside ``active()`` nothing is kept and the ops cast as before. The copies hold the casts' own values, so results
 are bit-identical either way. ``FASTBERT_WEIGHT_CASTS=0`` turns them off where training would keep them
 (:func:`enabled`).

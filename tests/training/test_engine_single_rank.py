@@ -33,9 +33,10 @@ from fastbert.tasks.trainer import TrainArgs, build_finetune_engine, param_group
 head = torch.nn.Linear(8, 2)
 ft = build_finetune_engine(head, param_groups(head, 1e-3, None, 0.01, False), TrainArgs(batch_size=4, progress=False))
 assert ft.ds.enable_backward_allreduce is False
+assert ft.grad_accum == 1 and ft.casts is None      # one micro-batch a step: no 16-bit copies kept
 
-# The weights' 16-bit copies (ops/weight_casts.py): rewritten before the first micro-batch of each optimizer step,
-# the same buffers reused by the step's other micro-batches and after the update.
+# The weights' 16-bit copies (ops/weight_casts.py), kept when a step accumulates: rewritten before the first
+# micro-batch of each optimizer step, the same buffers reused by the step's other micro-batches and after the update.
 from fastbert.ops import weight_casts
 class Probe(torch.nn.Module):
     def __init__(self):
