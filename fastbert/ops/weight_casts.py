@@ -60,9 +60,6 @@ class WeightCasts:
         for dst, src in groups.values():
             torch._foreach_copy_(dst, src)
 
-    def clear(self) -> None:
-        self._copies.clear()
-
     @contextlib.contextmanager
     def active(self):
         """The ops of this thread take parameters' copies from here inside the block."""

@@ -20,9 +20,9 @@ Rules that keep replays equal to eager steps:
   graph-safe, so each replay draws new masks;
 - bf16 runs under ``torch.autocast`` without its weight-cast cache (recorded casts are redone on
   every replay, so optimizer updates are seen); the fused ops' casts of the weights are the
-  ``WeightCasts`` copies the engine keeps (``ops/weight_casts.py``) when it is active around the
-  capture: the graphs read those buffers, and the engine rewrites them in place, outside the
-  graphs, before the first micro-batch of each optimizer step;
+  ``WeightCasts`` copies the engine keeps when steps accumulate (``ops/weight_casts.py``), if it is
+  active around the capture: the graphs read those buffers, and the engine rewrites them in place,
+  outside the graphs, before the first micro-batch of each optimizer step;
 - outputs are copied out of the graph's buffers, which the next replay overwrites;
 - with gradient accumulation, ``.grad`` lives in a buffer of ours from the first micro-batch of a
   step, and a graph captured then adds each micro-batch's gradients into it itself: the weight-gradient
