@@ -23,6 +23,11 @@ import torch
 _state = threading.local()  # .casts: the active WeightCasts of this thread, or None
 
 
+def _fits(p: torch.nn.Parameter, copy: torch.Tensor) -> bool:
+    """Whether ``copy`` can still hold ``p``'s values (``p`` has not changed shape or device since it was made)."""
+    return copy.shape == p.shape and copy.device == p.device
+
+
 class WeightCasts:
     """A parameter's copy in a dtype, per (parameter, dtype) first asked for while active."""
 
@@ -35,12 +40,12 @@ class WeightCasts:
     def get(self, p: torch.nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
         """``p``'s copy in ``dtype`` (made now if there is none, or if ``p`` changed shape or device since)."""
         key = (id(p), dtype)
-        hit = self._copies.get(key)
-        if hit is not None and hit[0] is p and hit[1].shape == p.shape and hit[1].device == p.device:
+        hit = self._copies.get(key)  # the entry holds p: its id cannot be reused while the entry lives
+        if hit is not None and _fits(*hit):
             return hit[1]
         with torch.no_grad():
             copy = p.detach().to(dtype, copy=True)
-        self._copies[key] = (p, copy)  # holds p: its id cannot be reused while the entry lives
+        self._copies[key] = (p, copy)
         return copy
 
     @torch.no_grad()
@@ -51,7 +56,7 @@ class WeightCasts:
         copy at its next use instead."""
         groups: dict = {}
         for key, (p, copy) in list(self._copies.items()):
-            if copy.shape != p.shape or copy.device != p.device:
+            if not _fits(p, copy):
                 del self._copies[key]
                 continue
             dst, src = groups.setdefault((p.device, p.dtype, copy.dtype), ([], []))

@@ -31,7 +31,6 @@ import numpy as np
 import torch
 
 from fastbert.ops import weight_casts
-from fastbert.ops.weight_casts import WeightCasts
 from fastbert.training.optim import (OptimizerSpec, build_client_optimizer, ds_optimizer_entry,
                                      param_groups)
 
@@ -324,8 +323,8 @@ class TrainEngine:
         # has several micro-batches: with one, the refresh would redo every cast each step (the same bytes; measured
         # level with casting inside the forward, for ~0.67 GB more at BERT-large). Not with ZeRO-3: its
         # parameters are gathered and released module by module inside the forward.
-        self.casts = WeightCasts() if self.grad_accum > 1 and self.zero_stage < 3 and weight_casts.enabled() \
-            else None
+        keep = self.grad_accum > 1 and self.zero_stage < 3 and weight_casts.enabled()
+        self.casts = weight_casts.WeightCasts() if keep else None
 
     @property
     def precision_name(self) -> str:
