@@ -580,8 +580,9 @@ def extras_pay(head_dim: int, max_seqlen: int) -> bool:
     full rows, 351 vs 387 at 60% fill (twelfth session); sums 584.7 vs 617.5 us with the bias GEMM (eighteenth). On
     the fused short backward (then one program a (sequence, head) at the register cap, one at a time on an SM, its
     epilogue's reductions exposed) B=128 S=128 p=0.1: FP8 278 vs 292 full rows, but 192 vs 185 at 60% fill; sums
-    236.1 vs 228.6 full rows, 259.9 vs 268.2 at lengths 20-128 (benchmarks/RESULTS.md; not re-measured on the
-    persistent kernel)."""
+    236.1 vs 228.6 full rows, 259.9 vs 268.2 at lengths 20-128. On the persistent kernel the sums still cost more
+    than the GEMM they replace: the BERT-large bf16 step 64.67 / 64.93 ms with them against 64.04 / 64.10 (H200,
+    interleaved pairs, twenty-fourth session; benchmarks/RESULTS.md)."""
     return _short_bwd_blocks(head_dim, max_seqlen) is None
 
 
