@@ -153,6 +153,34 @@ def test_ffn_residual_gradient_joins_dx(approximate):
         torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)  # the kernels' GELU is fp32
 
 
+@pytest.mark.parametrize("used", ["out", "passed"])
+def test_ffn_unused_output_gets_no_zeros(monkeypatch, used):
+    """An output nobody uses (Pre-LN drops the passed-through x; rarely the FFN's own output) reaches the
+    backward as None, not as a materialized tensor of zeros the input-gradient GEMM would read; gradients equal
+    the reference's."""
+    import fastbert.ops.ffn as F
+    seen = []
+    real = F._ffn_bwd_op
+    monkeypatch.setattr(F, "_ffn_bwd_op", lambda dout, dres, *a: seen.append(dres) or real(dout, dres, *a))
+    g = torch.Generator().manual_seed(2)
+    x, w1, b1, w2, dy = (torch.randn(*s, generator=g, dtype=torch.float64).to(DEVICE)
+                         for s in ((9, 16), (24, 16), (24,), (16, 24), (9, 16)))
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_() for t in (x, w1, b1, w2)]
+        out, passed = fn(*leaves, approximate="none", residual=True)
+        return torch.autograd.grad(((out if used == "out" else passed) * dy).sum(), leaves, allow_unused=True)
+
+    got, want = grads(ffn), grads(ffn_ref)
+    if used == "out":
+        assert seen == [None]
+    for a, e in zip(got, want):
+        if e is None:  # w1, b1, w2 get no gradient through the passed-through x
+            assert a is None or not a.any()
+        else:
+            torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+
+
 def test_ffn_no_bias_inference_and_compile():
     check_ffn((9,), 16, 24, torch.float32, "tanh", has_bias=False)
     g = torch.Generator().manual_seed(0)
