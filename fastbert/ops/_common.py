@@ -297,6 +297,12 @@ def sum_partials(part: torch.Tensor, dtypes) -> list:
     return outs
 
 
+def column_sums(part: torch.Tensor) -> torch.Tensor:
+    """The fp32 column sums ``(N,)`` of the partial-sum rows ``part`` ``(programs, N)`` (fp32, contiguous) a kernel
+    wrote, one row a program or tile: :func:`sum_partials` with one vector."""
+    return sum_partials(part.view(part.shape[0], 1, part.shape[1]), [torch.float32])[0]
+
+
 def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from fastbert.ops._common import (
-    INTERPRET, autocast_dtype, check_dropout_p, check_triton_device, drop_threshold, dropout_bits, dropout_seed,
-    keep_from_bits, num_sms, register_op, sum_partials, tl, triton)
+    INTERPRET, autocast_dtype, check_dropout_p, check_triton_device, column_sums, drop_threshold, dropout_bits,
+    dropout_seed, keep_from_bits, num_sms, register_op, tl, triton)
 from fastbert.ops.fp8 import E5M2, FP8_MAX, HISTORY, _fp8_codes, finite_amax_of, history_scale, transpose_codes
 from fastbert.padding import unpad_by_seqlens, pad, unpad
 
@@ -704,7 +704,7 @@ class _Extras:
             self.kernel_args = (self.parts, self.parts, self.parts, self.parts, width)
 
     def sums(self):
-        return sum_partials(self.parts.view(-1, 1, self.parts.shape[1]), [torch.float32])[0]
+        return column_sums(self.parts)
 
 
 def _launch_backward(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen, dropout_p, softmax_scale, grads,

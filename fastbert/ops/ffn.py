@@ -44,7 +44,7 @@ def ffn_ref(x, w1, b1, w2, approximate="none", residual=False):
 # (`benchmarks/bench_ops.py --ops ffn`, benchmarks/RESULTS.md), so it is gone.
 from fastbert.ops import cublaslt, gemm_sm90, grad_accum  # noqa: E402
 from fastbert.ops._common import (  # noqa: E402
-    autocast_dtype, autocast_inputs, check_triton_device, num_sms, register_op, sum_partials, tl, triton)
+    autocast_dtype, autocast_inputs, check_triton_device, column_sums, num_sms, register_op, tl, triton)
 from fastbert.ops.linear import bias_grad, linear_grads, wgrad  # noqa: E402
 
 @triton.jit
@@ -206,7 +206,7 @@ def gelu_bwd(dy, z, approximate, grad=False):
         _gelu_bwd_kernel[(grid_n, strips)](
             dy2, z2, dz, db_part, m, n, rows_per_program, dy2.stride(0), z2.stride(0), n,
             APPROX_TANH=approximate == "tanh", GRAD=grad, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
-    return dz.view(z.shape), sum_partials(db_part.view(strips, 1, n), [torch.float32])[0]
+    return dz.view(z.shape), column_sums(db_part)
 
 
 def linear_bias_gelu_bwd(dy, x, weight, bias, z, approximate, wdtype):

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from fastbert.ops import cublaslt, grad_accum
-from fastbert.ops._common import HAS_TRITON, INTERPRET, autocast_dtype, sum_partials, tl, triton
+from fastbert.ops._common import HAS_TRITON, INTERPRET, autocast_dtype, column_sums, tl, triton
 from fastbert.ops.ffn import gelu, gelu_grad, gelu_grad_ref
 
 HISTORY = 16
@@ -209,7 +209,7 @@ _WIDE = 2**31
 def cast_fp8_triton(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torch.dtype, colsum: bool = False,
                     gelu: str | None = None, z: torch.Tensor | None = None, tile: tuple | None = None):
     """``cast_fp8_ref`` of ``pre_op_ref(x, gelu, z)`` in one kernel pass (the tile's amax goes in with an
-    atomic max); with ``colsum`` also its column sums in fp32 (per row tile, then ``sum_partials``: deterministic),
+    atomic max); with ``colsum`` also its column sums in fp32 (per row tile, then ``column_sums``: deterministic),
     else None. ``tile``: (BLOCK_M, BLOCK_N, num_warps); default ``CAST_TILES`` of the pre-op (32 x 32 x 4 in the
     interpreter)."""
     m, n = x.shape
@@ -233,7 +233,7 @@ def cast_fp8_triton(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torc
                            WITH_COLSUM=colsum, WIDE=wide, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
     if m4 != m:  # rows that are not whole words (never in the model: its GEMM dimensions are multiples of 16)
         x8t = x8t[:, :m].contiguous()
-    return x8, x8t, scale_inv, sum_partials(parts.view(grid[0], 1, n), [torch.float32])[0] if colsum else None
+    return x8, x8t, scale_inv, column_sums(parts) if colsum else None
 
 
 def transpose_codes(x8: torch.Tensor, tile: tuple = (64, 64, 4)) -> torch.Tensor:

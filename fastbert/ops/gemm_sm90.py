@@ -5,7 +5,7 @@ CUTLASS headers, called through ctypes with torch's pointers and current stream.
 * :func:`bias_gelu`: ``(y, g)`` with ``y = gelu(z)`` and ``g = gelu'(z)``, ``z = x @ w.T + bias``, one kernel: the
   backward keeps GELU's derivative, not z, so erf is evaluated once, in this epilogue, for both outputs;
 * :func:`dgelu`: ``dz = (d @ w2) * g`` and d(bias), dz's column sums: one kernel writing one fp32 row of
-  partial sums a tile row, then ``_common.sum_partials`` of those rows (a few KB; torch's sum over the rows of
+  partial sums a tile row, then ``_common.column_sums`` of those rows (a few KB; torch's sum over the rows of
   BERT-large's (128, 4,096) took 8.6 us on an H200, twenty-fourth session).
 
 cuBLASLt's GELU epilogues are the tanh formula (ops/cublaslt.py), and a Triton 3.6 GEMM cannot hide an epilogue
@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from fastbert.ops._common import sum_partials
+from fastbert.ops._common import column_sums
 
 # The launch shape each function uses (the .cu file lists them): v0 (cooperative 128 x 256 tiles, 2 x 1 clusters)
 # both ways, the fastest of `benchmarks/bench_ops.py --ops sm90` on an H200 at BERT-base's size (up-projection
@@ -147,7 +147,7 @@ def dgelu(d: torch.Tensor, w2: torch.Tensor, g: torch.Tensor) -> tuple:
     _check(lib.fb_sm90_dgelu(d.data_ptr(), w2.data_ptr(), g.data_ptr(), dz.data_ptr(), partial.data_ptr(), m, n, k, v,
                              torch.cuda.current_stream(d.device).cuda_stream),
            f"GELU derivative ({m} x {k} -> {n})")
-    return dz, sum_partials(partial.view(partial.shape[0], 1, partial.shape[1]), [torch.float32])[0][:n]
+    return dz, column_sums(partial)[:n]
 
 
 def variants() -> int:
