@@ -14,7 +14,8 @@ no clipping, as for the others; rows are encoded whole, padding included as its 
 padded / sst2 mode it does more work than fb-triton), hf-patch (HF SDPA model + fastbert.patch),
 fb-fp8 / fb-fp8-graphs (fb-triton / fb-graphs with BertConfig.fp8: the encoder's GEMMs in FP8 with delayed
 scaling, what `train.precision=fp8` runs; asked for by name). All run bf16 autocast over fp32 weights with
-fused AdamW.
+torch's fused AdamW, except fb-graphs and fb-fp8-graphs, which step as the engine does: fastbert's AdamW
+(training/optim.py), which also writes the weights' bf16 copies the forward reads (ops/weight_casts.py).
 
 Isolation: every contender runs in a fresh worker process (this script with --worker), since what one
 contender leaves in a process slows the next (fb-triton: 85 ms/step alone, 121 right after hf-compile).
@@ -270,18 +271,29 @@ def run_contender(name, inp: Inputs, warmup, steps, device, profile=False, out_d
         # slots weigh 0; NSP mean over the sequences), so it differs from HF's padded loss only by arithmetic
         # (other kernels, summation order, bf16): ~1e-2 at most here, ~1e-6 in fp32 (tests/benchmarks).
         check = first_loss(step_model, batches[0], autocast)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01,
-                                fused=True)
+        hyper = dict(lr=1e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01)
+        casts = None
+        if graphs is not None:   # TrainEngine's optimizer, which writes the weights' 16-bit copies it keeps
+            from fastbert.ops.weight_casts import WeightCasts
+            from fastbert.training.optim import AdamW
+            opt, casts = AdamW(model.parameters(), **hyper), WeightCasts()
+            opt.weight_casts = casts
+        else:
+            opt = torch.optim.AdamW(model.parameters(), **hyper, fused=True)
 
         def step(kw):
             # As TrainEngine: a graph's output, else the eager model (first sight of a shape, eval); no outer
-            # autocast around the graphs, they capture under their own. One micro-batch a step, so the engine
-            # never calls graphs.own_grads() and DeepSpeed's ZeRO-0 step sets the gradients to None, nor keeps the
-            # weights' 16-bit casts (ops/weight_casts.py: only when accumulating).
-            out = graphs(kw["packed"]) if graphs is not None else None
-            if out is None:
-                with autocast:
-                    out = step_model(**kw)
+            # autocast around the graphs, they capture under their own; the 16-bit copies active around the
+            # forward and refreshed before it (nothing to copy once the optimizer wrote them). One micro-batch a
+            # step, so the engine never calls graphs.own_grads() and DeepSpeed's ZeRO-0 step sets the gradients
+            # to None.
+            with casts.active() if casts is not None else contextlib.nullcontext():
+                if casts is not None:
+                    casts.refresh()
+                out = graphs(kw["packed"]) if graphs is not None else None
+                if out is None:
+                    with autocast:
+                        out = step_model(**kw)
             out.loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)

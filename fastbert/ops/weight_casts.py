@@ -11,6 +11,11 @@ several micro-batches (training/engine.py; with one, the refresh is every cast a
 Outside ``active()`` nothing is kept and the ops cast as before. The copies hold the casts' own values, so results
 are bit-identical either way. ``FASTBERT_WEIGHT_CASTS=0`` turns them off where training would keep them
 (:func:`enabled`).
+
+An optimizer that writes the copies itself as it updates the weights (``training.optim.AdamW``, through
+``ops/adamw.py``) takes them with :meth:`WeightCasts.copies_of` and says so with :meth:`WeightCasts.written`: the
+next refresh skips those copies, unless the weight changed again since (its autograd version moved: a checkpoint
+load, any in-place op on it), and forgets the marks, so later refreshes copy everything again.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ class WeightCasts:
 
     def __init__(self):
         self._copies: dict[tuple[int, torch.dtype], tuple[torch.nn.Parameter, torch.Tensor]] = {}
+        self._written: dict[int, int] = {}   # id(parameter) -> its version when an optimizer wrote its copy
 
     def __len__(self) -> int:
         return len(self._copies)
@@ -48,16 +54,33 @@ class WeightCasts:
         self._copies[key] = (p, copy)
         return copy
 
+    def copies_of(self, params) -> list:
+        """Each parameter's copy where it has exactly one (in any dtype) that still fits it, else None: what an
+        optimizer may write with the parameter's new values (then :meth:`written`)."""
+        found: dict = {}
+        for p, copy in self._copies.values():
+            found.setdefault(id(p), []).append(copy if _fits(p, copy) else None)
+        return [c[0] if c is not None and len(c) == 1 else None for c in (found.get(id(p)) for p in params)]
+
+    def written(self, params) -> None:
+        """``params``' copies (from :meth:`copies_of`) hold their current values: the next refresh skips them."""
+        for p in params:
+            self._written[id(p)] = p._version
+
     @torch.no_grad()
     def refresh(self) -> None:
         """Rewrite every copy from its parameter's current values: one multi-tensor copy per (device, dtype
-        pair). Through ``.data``, so a copy's autograd version does not move (a forward's saved copy stays
-        usable by its backward when nothing changed); a parameter that changed shape or device gets a new
-        copy at its next use instead."""
+        pair), except the copies an optimizer wrote since the last refresh of parameters unchanged since then.
+        Through ``.data``, so a copy's autograd version does not move (a forward's saved copy stays usable by
+        its backward when nothing changed); a parameter that changed shape or device gets a new copy at its next
+        use instead."""
+        written, self._written = self._written, {}
         groups: dict = {}
         for key, (p, copy) in list(self._copies.items()):
             if not _fits(p, copy):
                 del self._copies[key]
+                continue
+            if written.get(id(p)) == p._version:
                 continue
             dst, src = groups.setdefault((p.device, p.dtype, copy.dtype), ([], []))
             dst.append(copy.data)

@@ -3,9 +3,10 @@ or a frozen encoder), warmup then linear decay, deterministic batches, and DeepS
 
 Training goes through ``fastbert.training`` (``init_distributed``, the DeepSpeed config builder and
 ``TrainEngine``), the same path as pretraining: one CPU process (gloo) or many GPUs under the
-``deepspeed`` launcher. The optimizer is ``torch.optim.AdamW`` handed to DeepSpeed as a client
-optimizer, so per-group learning rates (encoder vs head) survive ZeRO's flattening (ZeRO keeps one
-flat partition per group) and no DeepSpeed op has to be compiled.
+``deepspeed`` launcher. The optimizer is pretraining's AdamW (``training/optim.py``: fastbert's on CUDA, which
+also writes the weights' 16-bit copies, torch's on the CPU) handed to DeepSpeed as a client optimizer, so
+per-group learning rates (encoder vs head) survive ZeRO's flattening (ZeRO keeps one flat partition per group)
+and no DeepSpeed op has to be compiled.
 
 Batches: every epoch draws a permutation from ``seed + epoch``; global batches of
 ``batch_size x world_size`` examples are cut from it and rank ``r`` takes the ``r``-th slice. With
@@ -153,7 +154,7 @@ def build_finetune_engine(model: torch.nn.Module, groups: list[dict], args: Trai
 
     from fastbert.training.engine import (TrainEngine, build_ds_config, deepspeed_view, init_distributed,
                                           resolve_precision, use_fp8)
-    from fastbert.training.optim import OptimizerSpec
+    from fastbert.training.optim import OptimizerSpec, build_client_optimizer
 
     dist = init_distributed()
     model = model.to(dist.device)
@@ -161,13 +162,11 @@ def build_finetune_engine(model: torch.nn.Module, groups: list[dict], args: Trai
     precision = resolve_precision(args.precision, dist.device)
     use_fp8(model, args.precision)
     opt_groups = [{k: v for k, v in g.items() if k != "name"} for g in groups]
-    fused = dist.device.type == "cuda"
-    optimizer = torch.optim.AdamW(opt_groups, lr=args.lr, betas=spec.betas, eps=spec.eps,
-                                  weight_decay=args.weight_decay, **({"fused": True} if fused else {"foreach": True}))
+    optimizer = build_client_optimizer(spec, opt_groups, dist.device.type)
     cfg = build_ds_config(args.ds_config, micro_batch_size=args.batch_size,
                           global_batch_size=args.batch_size * dist.world_size, world_size=dist.world_size,
                           precision=precision, gradient_clipping=args.max_grad_norm, optimizer=spec,
-                          device=dist.device, zero_stage=args.zero_stage, client_optimizer=True)
+                          device=dist.device, zero_stage=args.zero_stage, client_optimizer=optimizer)
     ds_engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_view(cfg),
                                               dist_init_required=False)
     engine = TrainEngine(ds_engine, dist, cfg, spec, precision)

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from fastbert.ops import weight_casts
-from fastbert.training.optim import (OptimizerSpec, build_client_optimizer, ds_optimizer_entry,
+from fastbert.training.optim import (AdamW, OptimizerSpec, build_client_optimizer, ds_optimizer_entry,
                                      param_groups)
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "auto")
@@ -218,9 +218,10 @@ def load_ds_config(ds_config: Union[str, os.PathLike, dict, None]) -> dict:
 def build_ds_config(base, *, micro_batch_size: int, global_batch_size: int, world_size: int,
                     precision: str, gradient_clipping: float, optimizer: OptimizerSpec,
                     device: torch.device, zero_stage: Optional[int] = None,
-                    client_optimizer: bool = False) -> dict:
+                    client_optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
     """The full DeepSpeed config for this run: ``base`` (ZeRO, offload, ...) plus the values fastbert
-    owns (batch sizes, precision, clipping, optimizer). Conflicting entries in ``base`` are errors."""
+    owns (batch sizes, precision, clipping, optimizer). Conflicting entries in ``base`` are errors.
+    ``client_optimizer``: the optimizer instance handed to ``deepspeed.initialize``, if any."""
     cfg = load_ds_config(base)
     for key in ("scheduler",):
         if key in cfg:
@@ -285,8 +286,11 @@ def build_ds_config(base, *, micro_batch_size: int, global_batch_size: int, worl
         # ZeRO-0 without loss scaling: fastbert clips (one fused norm, no device sync) instead of
         # DeepSpeed's per-parameter loop that reads the norm back.
         cfg["fastbert_clipping"], cfg["gradient_clipping"] = cfg["gradient_clipping"], 0.0
-    if not client_optimizer:
+    if client_optimizer is None:
         cfg["optimizer"] = ds_optimizer_entry(optimizer)
+    elif type(client_optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
+        # DeepSpeed's ZeRO checks the exact type: fastbert's AdamW (torch's with its own step), LAMB
+        cfg["zero_allow_untested_optimizer"] = True
     return cfg
 
 
@@ -320,11 +324,16 @@ class TrainEngine:
         self._clipped = False                    # the guard clipped this step already (to read the norm)
         self.graphs = None                       # a GraphedModel once enable_cuda_graphs succeeded
         # The 16-bit casts of the fp32 weights, made once per optimizer step (ops/weight_casts.py) when a step
-        # has several micro-batches: with one, the refresh would redo every cast each step (the same bytes; measured
-        # level with casting inside the forward, for ~0.67 GB more at BERT-large). Not with ZeRO-3: its
-        # parameters are gathered and released module by module inside the forward.
-        keep = self.grad_accum > 1 and self.zero_stage < 3 and weight_casts.enabled()
+        # has several micro-batches, or written by the optimizer step itself (training/optim.AdamW, driven
+        # directly at ZeRO-0 without fp16's wrapper). With one micro-batch and another optimizer, the refresh
+        # would redo every cast each step (the same bytes; measured level with casting inside the forward, for
+        # ~0.67 GB more at BERT-large). Not with ZeRO-3: its parameters are gathered and released module by
+        # module inside the forward.
+        writes = isinstance(ds_engine.optimizer, AdamW)
+        keep = (self.grad_accum > 1 or writes) and self.zero_stage < 3 and weight_casts.enabled()
         self.casts = weight_casts.WeightCasts() if keep else None
+        if writes:
+            ds_engine.optimizer.weight_casts = self.casts
 
     @property
     def precision_name(self) -> str:
@@ -491,9 +500,7 @@ def build_engine(model: torch.nn.Module, ds_config=None, *, optimizer: Union[dic
     cfg = build_ds_config(ds_config, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
                           world_size=dist.world_size, precision=resolved, gradient_clipping=gradient_clipping,
                           optimizer=spec, device=dist.device, zero_stage=zero_stage,
-                          client_optimizer=client is not None)
-    if client is not None and not isinstance(client, (torch.optim.AdamW, torch.optim.Adam)):
-        cfg["zero_allow_untested_optimizer"] = True
+                          client_optimizer=client)
     ds_engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client,
                                               model_parameters=groups if client is None else None,
                                               config=deepspeed_view(cfg), dist_init_required=False)

@@ -2,8 +2,9 @@
 
 Choice (``OptimizerSpec.type`` = ``"adamw"`` or ``"lamb"``):
 
-* CUDA, no offload: AdamW is ``torch.optim.AdamW(fused=True)`` handed to DeepSpeed as a client
-  optimizer (one multi-tensor kernel, no DeepSpeed op to compile on the first run); LAMB is DeepSpeed's
+* CUDA, no offload: AdamW is :class:`AdamW` below (torch's ``AdamW(fused=True)`` whose step is one Triton
+  launch a parameter group that also writes the weights' 16-bit copies, ``ops/adamw.py``) handed to DeepSpeed as
+  a client optimizer (no DeepSpeed op to compile on the first run); Adam is torch's fused one; LAMB is DeepSpeed's
   ``FusedLamb`` through the DeepSpeed config, or apex's ``FusedLAMB`` when apex is importable.
 * CUDA with ZeRO CPU offload: DeepSpeed builds ``DeepSpeedCPUAdam`` from the same config entry.
 * CPU: ``torch.optim.AdamW`` (foreach) or ``TorchLamb`` below.
@@ -14,9 +15,12 @@ cut across tensors, so LAMB there would silently compute the wrong ratio: refuse
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
+
+from fastbert.ops import adamw
+from fastbert.ops._common import INTERPRET, HAS_TRITON
 
 NO_DECAY_MARKERS = ("bias", "LayerNorm", "layer_norm", "layernorm", "norm.weight", "ln_")
 
@@ -81,16 +85,79 @@ def build_client_optimizer(spec: OptimizerSpec, groups: list[dict], device_type:
         if spec.type == "lamb" and apex_lamb_available():
             from apex.optimizers import FusedLAMB
             return FusedLAMB(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
-        if spec.type in ("adamw", "adam") and not offload and not spec.extra:
-            cls = torch.optim.AdamW if spec.type == "adamw" else torch.optim.Adam
-            return cls(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay,
-                       fused=True)
+        if spec.type == "adamw" and not offload and not spec.extra:
+            return AdamW(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
+        if spec.type == "adam" and not offload and not spec.extra:
+            return torch.optim.Adam(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps,
+                                    weight_decay=spec.weight_decay, fused=True)
         return None
     if spec.type in ("adamw", "adam"):
         cls = torch.optim.AdamW if spec.type == "adamw" else torch.optim.Adam
         return cls(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay,
                    foreach=True)
     return TorchLamb(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
+
+
+class AdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW(fused=True)`` whose step over fp32 weights with dense fp32 gradients on CUDA (or the
+    Triton interpreter) is ``ops.adamw.adamw_step_``: one launch a parameter group that also writes each weight's
+    16-bit copy the engine keeps (``weight_casts``, set by ``TrainEngine``), so the next forward need not cast
+    them again. Same state (per-tensor device step counts, ``exp_avg``, ``exp_avg_sq``) and state dicts as
+    torch's; ``found_inf`` (the guard's verdict, a grad scaler's) is honoured on the device. Anything else (other
+    dtypes, sparse gradients, amsgrad, maximize, a grad scaler's ``grad_scale``, tensor learning rates) runs
+    torch's fused step."""
+
+    def __init__(self, params: Iterable, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
+        self.weight_casts = None   # a WeightCasts whose copies this step writes (TrainEngine sets it)
+
+    def _groups(self) -> Optional[list]:
+        """Per group, (group, its parameters with gradients), or None where torch's step must run."""
+        if not HAS_TRITON or getattr(self, "grad_scale", None) is not None:
+            return None
+        plan = []
+        for group in self.param_groups:
+            if group["amsgrad"] or group["maximize"] or group["differentiable"] or torch.is_tensor(group["lr"]):
+                return None
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                if p.grad.is_sparse or p.dtype != torch.float32 or p.grad.dtype != torch.float32 or \
+                        not (p.is_cuda or INTERPRET) or not p.is_contiguous() or not p.grad.is_contiguous():
+                    return None
+            plan.append((group, params))
+        return plan
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        plan = self._groups()
+        if plan is None:
+            super().step()
+            return loss
+        found_inf = getattr(self, "found_inf", None)
+        for group, params in plan:
+            if not params:
+                continue
+            for p in params:
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            states = [self.state[p] for p in params]
+            casts = self.weight_casts
+            copies = casts.copies_of(params) if casts is not None else None
+            beta1, beta2 = group["betas"]
+            adamw.adamw_step_(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                              [s["exp_avg_sq"] for s in states], [s["step"] for s in states], copies,
+                              lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                              weight_decay=group["weight_decay"], found_inf=found_inf)
+            if casts is not None:
+                casts.written([p for p, c in zip(params, copies) if c is not None])
+        return loss
 
 
 class TorchLamb(torch.optim.Optimizer):

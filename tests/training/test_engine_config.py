@@ -9,7 +9,7 @@ import torch
 
 from fastbert.training.checkpoint import MARKER, apply_retention, complete_tags, find_latest
 from fastbert.training.engine import EngineConfigError, build_ds_config
-from fastbert.training.optim import OptimizerSpec, TorchLamb, param_groups
+from fastbert.training.optim import AdamW, OptimizerSpec, TorchLamb, param_groups
 
 CPU = torch.device("cpu")
 
@@ -27,7 +27,12 @@ def test_batch_arithmetic_and_defaults(tmp_path):
     assert c["zero_optimization"]["stage"] == 2 and c["gradient_clipping"] == 1.0
     assert c["optimizer"]["type"] == "Adam" and c["optimizer"]["params"]["adam_w_mode"] is True
     assert not c["bf16"]["enabled"] and not c["fp16"]["enabled"]
-    assert "optimizer" not in cfg(None, client_optimizer=True)
+    client = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    assert "optimizer" not in cfg(None, client_optimizer=client) and "zero_allow_untested_optimizer" not in cfg(
+        None, client_optimizer=client)
+    # DeepSpeed's ZeRO checks an optimizer's exact type: fastbert's AdamW (a subclass) and LAMB must be allowed
+    assert cfg(None, client_optimizer=AdamW(client.param_groups[0]["params"]))["zero_allow_untested_optimizer"]
+    assert cfg(None, client_optimizer=TorchLamb(client.param_groups[0]["params"]))["zero_allow_untested_optimizer"]
     assert cfg(None, zero_stage=3)["zero_optimization"]["stage"] == 3
 
 

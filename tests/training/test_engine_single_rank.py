@@ -1,6 +1,7 @@
 """One data-parallel rank at ZeRO-0 (`fastbert pretrain`'s and `fastbert finetune`'s engines): the backward leaves
 the gradients where autograd put them (DeepSpeed's reduction over one rank, a flatten + all-reduce + copy back, is
-skipped) and they equal plain torch's; the weights' 16-bit copies are rewritten once per optimizer step."""
+skipped) and they equal plain torch's; the weights' 16-bit copies are rewritten once per optimizer step, or written by
+fastbert's AdamW itself."""
 import subprocess
 import sys
 
@@ -60,6 +61,45 @@ assert refreshes == [0, 2], refreshes
 assert all(c is probe.seen[0][0] for c, _, _ in probe.seen)                   # one buffer throughout
 assert all(torch.equal(v, w) for _, v, w in probe.seen)                       # each forward saw the current weights
 assert not torch.equal(probe.seen[1][1], probe.seen[2][1])                    # the update reached the copy
+
+# With fastbert's AdamW (what CUDA runs; here through the Triton interpreter) the copies are kept with one
+# micro-batch a step too: the optimizer writes them, and the refresh before the next forward copies nothing.
+from fastbert.training import optim
+eng.build_client_optimizer = lambda spec, groups, *a, **k: optim.AdamW(groups, lr=spec.lr)
+probe = Probe()
+e = eng.build_engine(probe, optimizer={"type": "adamw", "lr": 1e-1}, micro_batch_size=4, global_batch_size=4,
+                     precision="fp32", gradient_clipping=0.0, zero_stage=0)
+assert e.grad_accum == 1 and e.casts is not None and e.ds.optimizer.weight_casts is e.casts
+copied = []
+real_copy = torch._foreach_copy_
+torch._foreach_copy_ = lambda dst, src: (copied.append(len(dst)), real_copy(dst, src))
+for i in range(3):
+    e.backward(e(torch.randn(4, 8)).pow(2).mean())
+    e.step()
+torch._foreach_copy_ = real_copy
+assert copied == [], copied                                                   # never cast again after the first
+assert all(c is probe.seen[0][0] for c, _, _ in probe.seen)
+assert all(torch.equal(v, w) for _, v, w in probe.seen)                       # each forward saw the current weights
+assert not torch.equal(probe.seen[0][1], probe.seen[1][1])
+
+# ZeRO-2 hands fastbert's AdamW its flat fp32 partitions (DeepSpeed checks the optimizer's exact type, so the engine
+# allows it by name): no copies to write there, and the steps equal torch's AdamW's.
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2))
+ref = copy.deepcopy(model)
+e = eng.build_engine(model, optimizer={"type": "adamw", "lr": 1e-2}, micro_batch_size=4, global_batch_size=4,
+                     precision="fp32", gradient_clipping=0.0, zero_stage=2)
+assert e.casts is None and isinstance(e.ds.optimizer.optimizer, optim.AdamW)
+opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+for i in range(3):
+    x = torch.randn(4, 8)
+    e.backward(e(x).pow(2).mean())
+    e.step()
+    ref(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+for p, q in zip(model.parameters(), ref.parameters()):   # Adam's m / sqrt(v) magnifies rounding where gradients are
+    torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-4)   # small; a wrong step is off by ~lr
 print("OK")
 '''
 

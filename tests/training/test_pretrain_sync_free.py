@@ -2,9 +2,10 @@
 
 The loop runs in a child process (a world of one, ZeRO-0 with fastbert's fused clipping, gradient
 accumulation 2, Triton kernels in the interpreter, the spike guard on and judging from the first step) with
-Tensor.item / tolist / __bool__ / __int__ / __float__ / nonzero instrumented. The optimizer is torch's fused
-AdamW, the one ``fastbert pretrain`` uses on CUDA (on the CPU it uses the foreach AdamW, which reads its step counters
-and makes the guard read its verdict: there is no device to wait for). Reads are allowed only at log
+Tensor.item / tolist / __bool__ / __int__ / __float__ / nonzero instrumented. The optimizer is fastbert's AdamW
+(training/optim.py, its kernel in the interpreter), the one ``fastbert pretrain`` uses on CUDA (on the CPU it uses
+torch's foreach AdamW, which reads its step counters and makes the guard read its verdict: there is no device to
+wait for). Reads are allowed only at log
 steps (the window's metrics, the guard's verdicts) and of host tensors by design: the loader's batches
 (token and sequence counts), and the guard's verdict of the step before, which on CUDA is a pinned host
 copy read after that step's event (the GPU has finished it; the step just launched keeps it busy);
@@ -29,9 +30,9 @@ import fastbert.training.engine as engine_mod
 from fastbert.training.config import load_config
 from fastbert.training.pretrain import run_pretraining
 
-def fused_adamw(spec, groups, device_type, offload=False):     # what CUDA runs, here on the CPU
-    return torch.optim.AdamW(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps,
-                             weight_decay=spec.weight_decay, fused=True)
+from fastbert.training.optim import AdamW
+def fused_adamw(spec, groups, device_type, offload=False):     # what CUDA runs, here on the CPU (the interpreter)
+    return AdamW(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
 engine_mod.build_client_optimizer = fused_adamw
 
 steps, reads, started = [0], [], [False]
