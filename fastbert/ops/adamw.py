@@ -13,15 +13,17 @@ documentation): for step t, with the learning rate ``lr`` and decay ``wd``::
     p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 
 One launch per parameter group and copy dtype (bf16, fp16, none): each program takes CHUNK elements of one tensor, found through
-device tables of the tensors' addresses (as Triton's grouped GEMM tutorial finds its matrices) and of the chunks'
-(tensor, start). The step counts stay per tensor on the device (torch's fused layout, so state dicts are
+device tables of the tensors' element offsets from an anchor tensor and of the chunks' (tensor, start). Offsets,
+not addresses cast to pointers (as Triton's grouped GEMM tutorial does): the compiler knows nothing of a cast
+address's alignment and loads it one element at a time, which ran at 1.5 TB/s on an H200 (RESULTS.md); an offset
+marked a multiple of 16 bytes from an aligned base gets vector loads. The step counts stay per tensor on the device (torch's fused layout, so state dicts are
 interchangeable), and ``found_inf`` (a device flag, the guard's or a grad scaler's) leaves weights, moments,
 copies and step counts as they were without a host read. ``adamw_reference_`` is the same step in plain PyTorch.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -29,61 +31,85 @@ from fastbert.ops._common import check_triton_device, tl, triton
 
 CHUNK = 8192     # elements a program (4 blocks): the table lookups are paid once a chunk
 BLOCK = 2048
+WARPS = 4
 _COPY_TL = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @triton.jit
-def _adamw_kernel(PTRS, NUMELS, CHUNK_T, CHUNK_START, FOUND_INF, n_tensors, lr, beta1, beta2, one_minus_beta1,
-                  one_minus_beta2, log2_beta1, log2_beta2, eps, decay, HAS_FOUND_INF: tl.constexpr,
-                  COPY: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """PTRS: (5 or 6, n_tensors) int64 addresses: weights, gradients, first and second moments (fp32), step
-    counts (one fp32 each), then the copies (COPY: "bf16" / "fp16" / "" for none). The betas' complements and
-    logarithms come from the host in double precision, rounded once."""
+def _adamw_block(P, G, M, V, C, offs, mask, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, keep, step_size,
+                 bc2_sqrt, COPY: tl.constexpr):
+    """One block: loads (masked, or none when ``mask`` is None), the update, stores."""
+    p = tl.load(P + offs, mask=mask)
+    g = tl.load(G + offs, mask=mask)
+    m = tl.load(M + offs, mask=mask)
+    v = tl.load(V + offs, mask=mask)
+    p = p * keep
+    m = beta1 * m + one_minus_beta1 * g
+    v = beta2 * v + one_minus_beta2 * g * g
+    p = p - step_size * m / (tl.sqrt(v) / bc2_sqrt + eps)
+    tl.store(P + offs, p, mask=mask)
+    tl.store(M + offs, m, mask=mask)
+    tl.store(V + offs, v, mask=mask)
+    if COPY != "":
+        tl.store(C + offs, p.to(C.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _table_ptr(BASE, OFFS, row, n_tensors, t, ALIGN: tl.constexpr):
+    """Tensor ``t``'s pointer in row ``row``: BASE plus its element offset from the table. ALIGN > 1: the offset
+    is a multiple of ALIGN elements (16 bytes, as BASE), which lets the compiler vectorize (an address loaded
+    and cast to a pointer carries no alignment it could use)."""
+    off = tl.load(OFFS + row * n_tensors + t)
+    if ALIGN > 1:
+        off = tl.multiple_of(off, ALIGN)
+    return BASE + off
+
+
+@triton.jit
+def _adamw_kernel(F32, C16, OFFS, NUMELS, CHUNK_T, CHUNK_START, FOUND_INF, n_tensors, lr, beta1, beta2,
+                  one_minus_beta1, one_minus_beta2, log2_beta1, log2_beta2, eps, decay, HAS_FOUND_INF: tl.constexpr,
+                  COPY: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """OFFS: (5 or 6, n_tensors) int64 element offsets from F32 (an fp32 anchor tensor) of the weights, gradients, first
+    and second moments, step counts (one fp32 each), then from C16 (a 16-bit tensor) of the copies (COPY: "bf16"
+    or "fp16", "" for none). The betas' complements and logarithms come from the host in double precision,
+    rounded once. ALIGNED: every tensor but the step counts starts on 16 bytes; a chunk wholly inside its tensor
+    then runs unmasked, with vector loads and stores, and a tensor's last chunk masked."""
     if HAS_FOUND_INF:
         if tl.load(FOUND_INF) != 0:
             return
     pid = tl.program_id(0)
     t = tl.load(CHUNK_T + pid)
-    start = tl.load(CHUNK_START + pid)
+    start = tl.multiple_of(tl.load(CHUNK_START + pid), CHUNK)
     n = tl.load(NUMELS + t)
-    P = tl.load(PTRS + t).to(tl.pointer_type(tl.float32))
-    G = tl.load(PTRS + n_tensors + t).to(tl.pointer_type(tl.float32))
-    M = tl.load(PTRS + 2 * n_tensors + t).to(tl.pointer_type(tl.float32))
-    V = tl.load(PTRS + 3 * n_tensors + t).to(tl.pointer_type(tl.float32))
-    S = tl.load(PTRS + 4 * n_tensors + t).to(tl.pointer_type(tl.float32))
-    step = tl.load(S)
+    A32: tl.constexpr = 4 if ALIGNED else 1
+    A16: tl.constexpr = 8 if ALIGNED else 1
+    P = _table_ptr(F32, OFFS, 0, n_tensors, t, A32)
+    G = _table_ptr(F32, OFFS, 1, n_tensors, t, A32)
+    M = _table_ptr(F32, OFFS, 2, n_tensors, t, A32)
+    V = _table_ptr(F32, OFFS, 3, n_tensors, t, A32)
+    step = tl.load(_table_ptr(F32, OFFS, 4, n_tensors, t, 1))
+    C = _table_ptr(C16, OFFS, 5, n_tensors, t, A16) if COPY != "" else C16
     bc1 = 1.0 - tl.exp2(step * log2_beta1)
     bc2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
     step_size = lr / bc1
     keep = 1.0 - lr * decay
-    for i in tl.static_range(0, CHUNK, BLOCK):
-        offs = start + i + tl.arange(0, BLOCK)
-        mask = offs < n
-        p = tl.load(P + offs, mask=mask)
-        g = tl.load(G + offs, mask=mask)
-        m = tl.load(M + offs, mask=mask)
-        v = tl.load(V + offs, mask=mask)
-        p = p * keep
-        m = beta1 * m + one_minus_beta1 * g
-        v = beta2 * v + one_minus_beta2 * g * g
-        p = p - step_size * m / (tl.sqrt(v) / bc2_sqrt + eps)
-        tl.store(P + offs, p, mask=mask)
-        tl.store(M + offs, m, mask=mask)
-        tl.store(V + offs, v, mask=mask)
-        if COPY == "bf16":
-            C = tl.load(PTRS + 5 * n_tensors + t).to(tl.pointer_type(tl.bfloat16))
-            tl.store(C + offs, p.to(tl.bfloat16), mask=mask)
-        elif COPY == "fp16":
-            C = tl.load(PTRS + 5 * n_tensors + t).to(tl.pointer_type(tl.float16))
-            tl.store(C + offs, p.to(tl.float16), mask=mask)
+    if ALIGNED and start + CHUNK <= n:
+        for i in tl.static_range(0, CHUNK, BLOCK):
+            _adamw_block(P, G, M, V, C, start + i + tl.arange(0, BLOCK), None, beta1, beta2, one_minus_beta1,
+                         one_minus_beta2, eps, keep, step_size, bc2_sqrt, COPY)
+    else:
+        for i in tl.static_range(0, CHUNK, BLOCK):
+            offs = start + i + tl.arange(0, BLOCK)
+            _adamw_block(P, G, M, V, C, offs, offs < n, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, keep,
+                         step_size, bc2_sqrt, COPY)
 
 
-_chunk_tables: dict = {}   # (device, numels) -> (numels, chunk tensor, chunk start) on the device
+_chunk_tables: dict = {}   # (device, numels, CHUNK) -> (numels, chunk tensor, chunk start) on the device
 
 
 def _chunks(numels: tuple, device: torch.device):
     """Device tables for tensors of these sizes: each tensor's size, and every chunk's (tensor, start)."""
-    key = (device, numels)
+    key = (device, numels, CHUNK)
     hit = _chunk_tables.get(key)
     if hit is None:
         counts = [(n + CHUNK - 1) // CHUNK for n in numels]
@@ -93,13 +119,6 @@ def _chunks(numels: tuple, device: torch.device):
         hit = (torch.tensor(numels, dtype=torch.int64).to(device), tensor.to(device), start.to(device))
         _chunk_tables[key] = hit
     return hit
-
-
-def _table(rows: Sequence[Sequence[torch.Tensor]], device: torch.device) -> torch.Tensor:
-    """The tensors' addresses as one (len(rows), n) int64 device table (pinned, copied without a host wait)."""
-    host = torch.tensor([[t.data_ptr() for t in row] for row in rows], dtype=torch.int64,
-                        pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
 
 
 def check_tensors(params, grads, exp_avgs, exp_avg_sqs, steps, copies) -> Optional[str]:
@@ -121,38 +140,108 @@ def check_tensors(params, grads, exp_avgs, exp_avg_sqs, steps, copies) -> Option
     return None
 
 
+_anchors: dict = {}   # (device, dtype) -> a small tensor of ours: the origin of the tables' offsets
+
+
+def _anchor(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    t = _anchors.get((device, dtype))
+    if t is None:
+        t = _anchors[(device, dtype)] = torch.zeros(16, dtype=dtype, device=device)
+    return t
+
+
+class _Launch:
+    """One kernel launch's device tables: the tensors' element offsets from an fp32 anchor (rows 0-4: weights,
+    gradients, moments, step counts) and from a 16-bit one (row 5, the copies), the chunks, and whether every
+    tensor but the step counts starts on 16 bytes."""
+
+    def __init__(self, rows: list, device: torch.device):
+        addrs = [[t.data_ptr() for t in row] for row in rows]
+        self.aligned = all(a % 16 == 0 for r, row in enumerate(addrs) if r != 4 for a in row)
+        self.f32 = _anchor(device, torch.float32)
+        self.c16 = _anchor(device, rows[5][0].dtype) if len(rows) > 5 else self.f32
+        offs = [[(a - self.f32.data_ptr()) // 4 for a in row] for row in addrs[:5]]
+        if len(rows) > 5:
+            offs.append([(a - self.c16.data_ptr()) // 2 for a in addrs[5]])
+        host = torch.tensor(offs, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.table = host.to(device, non_blocking=True)
+        self.numels, self.chunk_t, self.chunk_start = _chunks(tuple(t.numel() for t in rows[0]), device)
+        self.n = len(rows[0])
+        self.copy = _COPY_TL[rows[5][0].dtype] if len(rows) > 5 else ""
+
+    def __call__(self, found_inf, lr, beta1, beta2, eps, weight_decay):
+        _adamw_kernel[(self.chunk_t.numel(),)](
+            self.f32, self.c16, self.table, self.numels, self.chunk_t, self.chunk_start,
+            found_inf if found_inf is not None else self.numels, self.n, float(lr), float(beta1), float(beta2),
+            1.0 - beta1, 1.0 - beta2, math.log2(beta1), math.log2(beta2), float(eps), float(weight_decay),
+            HAS_FOUND_INF=found_inf is not None, COPY=self.copy, ALIGNED=self.aligned, CHUNK=CHUNK, BLOCK=BLOCK,
+            num_warps=WARPS)
+
+
+class Plan:
+    """``adamw_step_``'s launches for one set of tensors (``prepare``)."""
+
+    def __init__(self, params, grads, exp_avgs, exp_avg_sqs, steps, copies):
+        self.device = params[0].device
+        self.steps = steps
+        groups: dict = {}       # copy dtype (None: no copy) -> the tensors' indices
+        for i, c in enumerate(copies):
+            groups.setdefault(c.dtype if c is not None else None, []).append(i)
+        self.launches = []
+        for dtype, idx in groups.items():
+            rows = [[params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
+                    [exp_avg_sqs[i] for i in idx], [steps[i] for i in idx]]
+            if dtype is not None:
+                rows.append([copies[i] for i in idx])
+            self.launches.append(_Launch(rows, self.device))
+
+    def step(self, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+             found_inf: Optional[torch.Tensor] = None) -> None:
+        if found_inf is None:
+            torch._foreach_add_(self.steps, 1.0)
+        else:
+            found_inf = found_inf.reshape(()).to(device=self.device, dtype=torch.float32)
+            torch._foreach_add_(self.steps, 1.0 - found_inf)
+        for launch in self.launches:
+            launch(found_inf, lr, beta1, beta2, eps, weight_decay)
+
+
+_plans: dict = {}   # the tensors' (ids, addresses) -> Plan, the last few
+
+
+def prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None):
+    """A :class:`Plan` for these tensors, or the reason (one line) they cannot take this step. Checking the
+    tensors and building the device tables costs ~3 ms of host time at BERT-large's 300 tensors, so a plan is
+    kept while every tensor keeps its identity and address (weights, moments and copies do; gradients too when
+    the caching allocator hands the same blocks back)."""
+    copies = list(copies) if copies is not None else [None] * len(params)
+    if not params:
+        return "no tensors"
+    rows = (params, grads, exp_avgs, exp_avg_sqs, steps, copies)
+    key = tuple((id(t), t.data_ptr()) if t is not None else None for row in rows for t in row)
+    plan = _plans.get(key)
+    if plan is None:
+        reason = check_tensors(*rows)
+        if reason is not None:
+            return reason
+        check_triton_device(params[0])
+        plan = _plans[key] = Plan(*rows)
+        while len(_plans) > 8:
+            _plans.pop(next(iter(_plans)))
+    return plan
+
+
 def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, lr: float, beta1: float,
                 beta2: float, eps: float, weight_decay: float, found_inf: Optional[torch.Tensor] = None) -> None:
     """One AdamW step over these tensors in place (Triton; CUDA, or the interpreter for CPU tensors): adds one
     to each step count, updates weights and moments and writes ``copies[i]`` (a 16-bit tensor of the weight's
     shape, or None) from the new weight. ``found_inf``: a device flag; nonzero leaves everything as it was."""
-    copies = list(copies) if copies is not None else [None] * len(params)
     if not params:
         return
-    reason = check_tensors(params, grads, exp_avgs, exp_avg_sqs, steps, copies)
-    if reason is not None:
-        raise ValueError(f"adamw_step_: {reason}")
-    check_triton_device(params[0])
-    device = params[0].device
-    if found_inf is None:
-        torch._foreach_add_(steps, 1.0)
-    else:
-        found_inf = found_inf.reshape(()).to(device=device, dtype=torch.float32)
-        torch._foreach_add_(steps, 1.0 - found_inf)
-    launches: dict = {}       # copy dtype (None: no copy) -> the tensors' indices
-    for i, c in enumerate(copies):
-        launches.setdefault(c.dtype if c is not None else None, []).append(i)
-    for dtype, idx in launches.items():
-        rows = [[params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
-                [exp_avg_sqs[i] for i in idx], [steps[i] for i in idx]]
-        if dtype is not None:
-            rows.append([copies[i] for i in idx])
-        numels, chunk_t, chunk_start = _chunks(tuple(params[i].numel() for i in idx), device)
-        _adamw_kernel[(chunk_t.numel(),)](
-            _table(rows, device), numels, chunk_t, chunk_start, found_inf if found_inf is not None else numels,
-            len(idx), float(lr), float(beta1), float(beta2), 1.0 - beta1, 1.0 - beta2, math.log2(beta1),
-            math.log2(beta2), float(eps), float(weight_decay),
-            HAS_FOUND_INF=found_inf is not None, COPY=_COPY_TL.get(dtype, ""), CHUNK=CHUNK, BLOCK=BLOCK)
+    plan = prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies)
+    if isinstance(plan, str):
+        raise ValueError(f"adamw_step_: {plan}")
+    plan.step(lr, beta1, beta2, eps, weight_decay, found_inf)
 
 
 @torch.no_grad()

@@ -111,21 +111,34 @@ class AdamW(torch.optim.AdamW):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
         self.weight_casts = None   # a WeightCasts whose copies this step writes (TrainEngine sets it)
 
-    def _groups(self) -> Optional[list]:
-        """Per group, (group, its parameters with gradients), or None where torch's step must run."""
+    def _plans(self) -> Optional[list]:
+        """Per group with gradients, (group, its parameters with gradients, their copies, the kernel's plan), or
+        None where torch's step must run (for every group: nothing is updated before this is known)."""
         if not HAS_TRITON or getattr(self, "grad_scale", None) is not None:
             return None
-        plan = []
+        plans = []
         for group in self.param_groups:
             if group["amsgrad"] or group["maximize"] or group["differentiable"] or torch.is_tensor(group["lr"]):
                 return None
             params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            if not (params[0].is_cuda or INTERPRET) or any(p.grad.is_sparse for p in params):
+                return None
             for p in params:
-                if p.grad.is_sparse or p.dtype != torch.float32 or p.grad.dtype != torch.float32 or \
-                        not (p.is_cuda or INTERPRET) or not p.is_contiguous() or not p.grad.is_contiguous():
-                    return None
-            plan.append((group, params))
-        return plan
+                state = self.state[p]
+                if not state:    # torch's fused layout
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            states = [self.state[p] for p in params]
+            copies = self.weight_casts.copies_of(params) if self.weight_casts is not None else None
+            plan = adamw.prepare(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                                 [s["exp_avg_sq"] for s in states], [s["step"] for s in states], copies)
+            if isinstance(plan, str):
+                return None
+            plans.append((group, params, copies, plan))
+        return plans
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -133,30 +146,15 @@ class AdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        plan = self._groups()
-        if plan is None:
+        plans = self._plans()
+        if plans is None:
             super().step()
             return loss
-        found_inf = getattr(self, "found_inf", None)
-        for group, params in plan:
-            if not params:
-                continue
-            for p in params:
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            states = [self.state[p] for p in params]
-            casts = self.weight_casts
-            copies = casts.copies_of(params) if casts is not None else None
+        for group, params, copies, plan in plans:
             beta1, beta2 = group["betas"]
-            adamw.adamw_step_(params, [p.grad for p in params], [s["exp_avg"] for s in states],
-                              [s["exp_avg_sq"] for s in states], [s["step"] for s in states], copies,
-                              lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                              weight_decay=group["weight_decay"], found_inf=found_inf)
-            if casts is not None:
-                casts.written([p for p, c in zip(params, copies) if c is not None])
+            plan.step(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], getattr(self, "found_inf", None))
+            if copies is not None:
+                self.weight_casts.written([p for p, c in zip(params, copies) if c is not None])
         return loss
 
 

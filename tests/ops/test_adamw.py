@@ -193,7 +193,7 @@ def test_optimizer_runs_torchs_step_for_what_the_kernel_does_not_take():
     opt_ref = torch.optim.AdamW(ref, lr=1e-2, fused=True)
     for group in opt.param_groups + opt_ref.param_groups:
         group["maximize"] = True
-    assert opt._groups() is None
+    assert opt._plans() is None
     _grads(mine, 0), _grads(ref, 0)
     opt.step(), opt_ref.step()
     assert all(torch.equal(p, q) for p, q in zip(mine, ref))

@@ -14,7 +14,7 @@ import torch
 from fastbert import BertConfig, BertForPreTraining
 from fastbert.data.static_batch import build_rows
 from fastbert.ops import weight_casts
-from fastbert.ops._common import autocast_inputs
+from fastbert.ops._common import INTERPRET, autocast_inputs
 from fastbert.ops.weight_casts import WeightCasts
 
 
@@ -105,6 +105,7 @@ def _packed(batch):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not INTERPRET, reason="a CPU test (fp16 autocast on the CPU, the kernels in the interpreter)")
 @pytest.mark.parametrize("form", ["padded", "packed"])
 def test_training_with_the_copies_is_bit_identical_and_needs_the_refresh(form):
     torch.manual_seed(0)
