@@ -99,13 +99,15 @@ def build_client_optimizer(spec: OptimizerSpec, groups: list[dict], device_type:
 
 
 class AdamW(torch.optim.AdamW):
-    """``torch.optim.AdamW(fused=True)`` whose step over fp32 weights with dense fp32 gradients on CUDA (or the
-    Triton interpreter) is ``ops.adamw.adamw_step_``: one launch a parameter group that also writes each weight's
-    16-bit copy the engine keeps (``weight_casts``, set by ``TrainEngine``), so the next forward need not cast
-    them again. Same state (per-tensor device step counts, ``exp_avg``, ``exp_avg_sq``) and state dicts as
-    torch's; ``found_inf`` (the guard's verdict, a grad scaler's) is honoured on the device. Anything else (other
-    dtypes, sparse gradients, amsgrad, maximize, a grad scaler's ``grad_scale``, tensor learning rates) runs
-    torch's fused step."""
+    """``torch.optim.AdamW(fused=True)`` whose step, while it has copies to write (``weight_casts``: the 16-bit
+    copies of the weights ``TrainEngine`` keeps), is ``ops.adamw.adamw_step_`` over fp32 weights with dense fp32
+    gradients on CUDA (or the Triton interpreter): one launch a parameter group that also writes each weight's
+    copy, so the next forward need not cast them again. Same state (per-tensor device step counts,
+    ``exp_avg``, ``exp_avg_sq``) and state dicts as torch's; ``found_inf`` (the guard's verdict, a grad
+    scaler's) is honoured on the device. Anything else runs torch's fused step: no copies to write (ZeRO-1/2's
+    flat partitions, ``FASTBERT_WEIGHT_CASTS=0``), where torch's kernel is faster (3.06 vs 3.65 ms a BERT-large
+    step on an H200; with the copies 3.64 ms against torch's 3.74 + the casts), other dtypes, sparse gradients,
+    amsgrad, maximize, a grad scaler's ``grad_scale``, tensor learning rates."""
 
     def __init__(self, params: Iterable, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
@@ -114,7 +116,7 @@ class AdamW(torch.optim.AdamW):
     def _plans(self) -> Optional[list]:
         """Per group with gradients, (group, its parameters with gradients, their copies, the kernel's plan), or
         None where torch's step must run (for every group: nothing is updated before this is known)."""
-        if not HAS_TRITON or getattr(self, "grad_scale", None) is not None:
+        if self.weight_casts is None or not HAS_TRITON or getattr(self, "grad_scale", None) is not None:
             return None
         plans = []
         for group in self.param_groups:

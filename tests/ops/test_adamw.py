@@ -138,6 +138,8 @@ def _groups(params, lr):
 def test_optimizer_trains_as_torch_adamw_and_its_state_dict_is_torchs():
     mine, ref = _model_params(), _model_params()
     opt = AdamW(_groups(mine, 3e-2), lr=1e-2, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01)
+    opt.weight_casts = WeightCasts()              # copies to write (none here): the kernel's step
+    assert opt._plans() == []                     # (before the first gradients: nothing to step)
     opt_ref = torch.optim.AdamW(_groups(ref, 3e-2), lr=1e-2, betas=(0.9, 0.98), eps=1e-6, foreach=False)
     for i in range(3):
         before = [p.detach().clone() for p in mine]
@@ -149,6 +151,7 @@ def test_optimizer_trains_as_torch_adamw_and_its_state_dict_is_torchs():
                                     fused=True)
     torch_fused.load_state_dict(opt.state_dict())
     again = AdamW(_groups(mine, 3e-2), lr=1e-2)
+    again.weight_casts = WeightCasts()
     again.load_state_dict(torch_fused.state_dict())
     assert [float(again.state[p]["step"]) for p in mine] == [3.0] * 4
     assert again.state[mine[0]]["step"].device == mine[0].device
@@ -191,6 +194,10 @@ def test_optimizer_runs_torchs_step_for_what_the_kernel_does_not_take():
     mine, ref = _model_params(), _model_params()
     opt = AdamW(mine, lr=1e-2)
     opt_ref = torch.optim.AdamW(ref, lr=1e-2, fused=True)
+    _grads(mine, 0)
+    assert opt._plans() is None                   # no copies to write: torch's (faster) kernel
+    opt.weight_casts = WeightCasts()
+    assert opt._plans() is not None
     for group in opt.param_groups + opt_ref.param_groups:
         group["maximize"] = True
     assert opt._plans() is None
