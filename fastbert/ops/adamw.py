@@ -2,8 +2,8 @@
 
 Under ``torch.autocast`` the fused ops read 16-bit copies of the fp32 master weights (``weight_casts.py``). With
 one micro-batch an optimizer step, torch's fused AdamW reads and writes every weight (28 bytes an element: weight,
-gradient and both moments in, weight and moments out) and then the copies are cast again: 156 more kernels and 6
-more bytes an element (~0.75 ms a BERT-large step on an H200, benchmarks/RESULTS.md). Here the update writes the
+gradient and both moments in, weight and moments out) and then the copies are cast again: ~200 more kernels and 6
+more bytes an element (~1.1 ms a BERT-large step on an H200, benchmarks/RESULTS.md). Here the update writes the
 new weight's 16-bit value too, from the registers that hold it: 2 bytes an element and no launch of its own.
 
 The math is torch's AdamW (decoupled weight decay, bias-corrected moments; ``torch.optim.AdamW``'s
@@ -12,13 +12,15 @@ documentation): for step t, with the learning rate ``lr`` and decay ``wd``::
     p <- p * (1 - lr * wd);  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
     p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 
-One launch per parameter group and copy dtype (bf16, fp16, none): each program takes CHUNK elements of one tensor, found through
-device tables of the tensors' element offsets from an anchor tensor and of the chunks' (tensor, start). Offsets,
-not addresses cast to pointers (as Triton's grouped GEMM tutorial does): the compiler knows nothing of a cast
-address's alignment and loads it one element at a time, which ran at 1.5 TB/s on an H200 (RESULTS.md); an offset
-marked a multiple of 16 bytes from an aligned base gets vector loads. The step counts stay per tensor on the device (torch's fused layout, so state dicts are
-interchangeable), and ``found_inf`` (a device flag, the guard's or a grad scaler's) leaves weights, moments,
-copies and step counts as they were without a host read. ``adamw_reference_`` is the same step in plain PyTorch.
+One launch per parameter group and copy dtype (bf16, fp16, none): each program takes CHUNK elements of one
+tensor, found through device tables of the tensors' element offsets from an anchor tensor and of the chunks'
+(tensor, start). Offsets, not addresses cast to pointers (as Triton's grouped GEMM tutorial does): the compiler
+knows nothing of a cast address's alignment and loads it one element at a time, which ran at 1.5 TB/s on an H200
+(RESULTS.md); an offset marked a multiple of 16 bytes from an aligned anchor gets vector loads (2.6 TB/s there,
+torch's fused AdamW 3.1: with copies to write this kernel wins, without them torch's runs, training/optim.py). The
+step counts stay per tensor on the device (torch's fused layout, so state dicts are interchangeable), and
+``found_inf`` (a device flag, the guard's or a grad scaler's) leaves weights, moments, copies and step counts as
+they were without a host read. ``adamw_reference_`` is the same step in plain PyTorch.
 """
 from __future__ import annotations
 

@@ -135,15 +135,25 @@ def _groups(params, lr):
     return [{"params": params[::2], "weight_decay": 0.1}, {"params": params[1::2], "weight_decay": 0.0, "lr": lr}]
 
 
+def _casts(params):
+    """A WeightCasts holding fp16 copies of ``params`` (fp16: the interpreter's bf16 rounding is not Tensor.to's)."""
+    casts = WeightCasts()
+    with casts.active():
+        for p in params:
+            weight_casts.cast(p, torch.float16)
+    return casts
+
+
 def test_optimizer_trains_as_torch_adamw_and_its_state_dict_is_torchs():
     mine, ref = _model_params(), _model_params()
     opt = AdamW(_groups(mine, 3e-2), lr=1e-2, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01)
-    opt.weight_casts = WeightCasts()              # copies to write (none here): the kernel's step
+    opt.weight_casts = _casts(mine[:3])           # copies to write: the kernel's step
     assert opt._plans() == []                     # (before the first gradients: nothing to step)
     opt_ref = torch.optim.AdamW(_groups(ref, 3e-2), lr=1e-2, betas=(0.9, 0.98), eps=1e-6, foreach=False)
     for i in range(3):
         before = [p.detach().clone() for p in mine]
         _grads(mine, i), _grads(ref, i)
+        assert opt._plans() is not None
         opt.step(), opt_ref.step()
         _assert_updates_match(mine, ref, before)
     # the state moves to torch's fused AdamW and back, and both continue alike
@@ -151,7 +161,7 @@ def test_optimizer_trains_as_torch_adamw_and_its_state_dict_is_torchs():
                                     fused=True)
     torch_fused.load_state_dict(opt.state_dict())
     again = AdamW(_groups(mine, 3e-2), lr=1e-2)
-    again.weight_casts = WeightCasts()
+    again.weight_casts = opt.weight_casts
     again.load_state_dict(torch_fused.state_dict())
     assert [float(again.state[p]["step"]) for p in mine] == [3.0] * 4
     assert again.state[mine[0]]["step"].device == mine[0].device
@@ -195,8 +205,10 @@ def test_optimizer_runs_torchs_step_for_what_the_kernel_does_not_take():
     opt = AdamW(mine, lr=1e-2)
     opt_ref = torch.optim.AdamW(ref, lr=1e-2, fused=True)
     _grads(mine, 0)
-    assert opt._plans() is None                   # no copies to write: torch's (faster) kernel
+    assert opt._plans() is None                   # no copies kept: torch's (faster) kernel
     opt.weight_casts = WeightCasts()
+    assert opt._plans() is None                   # none to write (fp32 training): the same
+    opt.weight_casts = _casts(mine)
     assert opt._plans() is not None
     for group in opt.param_groups + opt_ref.param_groups:
         group["maximize"] = True
@@ -204,3 +216,21 @@ def test_optimizer_runs_torchs_step_for_what_the_kernel_does_not_take():
     _grads(mine, 0), _grads(ref, 0)
     opt.step(), opt_ref.step()
     assert all(torch.equal(p, q) for p, q in zip(mine, ref))
+
+
+def test_optimizer_step_reads_nothing_back(monkeypatch):
+    """The kernel's step (found_inf included, as the guard hands it) never reads a device value on the host: the
+    pretraining loop's sync-freedom (tests/training/test_pretrain_sync_free.py runs fp32, where torch's step runs)."""
+    params = _model_params()
+    opt = AdamW(params, lr=1e-2)
+    opt.weight_casts = _casts(params)
+    _grads(params, 0)
+    found_inf = torch.zeros((), device=DEVICE)
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "nonzero"):
+        def read(self, *a, _name=name, **k):
+            raise AssertionError(f"Tensor.{_name} during the optimizer step")
+        monkeypatch.setattr(torch.Tensor, name, read)
+    opt.step()                                    # the first step builds the plan (host-side checks only)
+    opt.found_inf = found_inf
+    opt.step()
+    opt.step()

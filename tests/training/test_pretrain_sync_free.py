@@ -2,10 +2,10 @@
 
 The loop runs in a child process (a world of one, ZeRO-0 with fastbert's fused clipping, gradient
 accumulation 2, Triton kernels in the interpreter, the spike guard on and judging from the first step) with
-Tensor.item / tolist / __bool__ / __int__ / __float__ / nonzero instrumented. The optimizer is fastbert's AdamW
-(training/optim.py, its kernel in the interpreter), the one ``fastbert pretrain`` uses on CUDA (on the CPU it uses
-torch's foreach AdamW, which reads its step counters and makes the guard read its verdict: there is no device to
-wait for). Reads are allowed only at log
+Tensor.item / tolist / __bool__ / __int__ / __float__ / nonzero instrumented. The optimizer is fastbert's AdamW,
+the one ``fastbert pretrain`` uses on CUDA (on the CPU it uses torch's foreach AdamW, which reads its step counters
+and makes the guard read its verdict: there is no device to wait for); in fp32 it runs torch's fused step, and its
+own kernel's step is checked for reads in tests/ops/test_adamw.py. Reads are allowed only at log
 steps (the window's metrics, the guard's verdicts) and of host tensors by design: the loader's batches
 (token and sequence counts), and the guard's verdict of the step before, which on CUDA is a pinned host
 copy read after that step's event (the GPU has finished it; the step just launched keeps it busy);
