@@ -33,18 +33,20 @@ from fastbert.ops._common import check_triton_device, tl, triton
 
 CHUNK = 8192     # elements a program (4 blocks): the table lookups are paid once a chunk
 BLOCK = 2048
-WARPS = 4
+WARPS = 4        # (chunk, block, warps) swept on an H200; loading the next block before this one's stores: slower
 _COPY_TL = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @triton.jit
-def _adamw_block(P, G, M, V, C, offs, mask, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, keep, step_size,
-                 bc2_sqrt, COPY: tl.constexpr):
-    """One block: loads (masked, or none when ``mask`` is None), the update, stores."""
-    p = tl.load(P + offs, mask=mask)
-    g = tl.load(G + offs, mask=mask)
-    m = tl.load(M + offs, mask=mask)
-    v = tl.load(V + offs, mask=mask)
+def _adamw_loads(P, G, M, V, offs, mask):
+    return tl.load(P + offs, mask=mask), tl.load(G + offs, mask=mask), tl.load(M + offs, mask=mask), \
+        tl.load(V + offs, mask=mask)
+
+
+@triton.jit
+def _adamw_update_store(P, M, V, C, offs, mask, p, g, m, v, beta1, beta2, one_minus_beta1, one_minus_beta2, eps,
+                        keep, step_size, bc2_sqrt, COPY: tl.constexpr):
+    """One block's update from its loaded values, and its stores (masked, or none when ``mask`` is None)."""
     p = p * keep
     m = beta1 * m + one_minus_beta1 * g
     v = beta2 * v + one_minus_beta2 * g * g
@@ -95,15 +97,18 @@ def _adamw_kernel(F32, C16, OFFS, NUMELS, CHUNK_T, CHUNK_START, FOUND_INF, n_ten
     bc2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
     step_size = lr / bc1
     keep = 1.0 - lr * decay
-    if ALIGNED and start + CHUNK <= n:
+    if ALIGNED and start + CHUNK <= n:       # unmasked: vector loads and stores
         for i in tl.static_range(0, CHUNK, BLOCK):
-            _adamw_block(P, G, M, V, C, start + i + tl.arange(0, BLOCK), None, beta1, beta2, one_minus_beta1,
-                         one_minus_beta2, eps, keep, step_size, bc2_sqrt, COPY)
+            offs = start + i + tl.arange(0, BLOCK)
+            p, g, m, v = _adamw_loads(P, G, M, V, offs, None)
+            _adamw_update_store(P, M, V, C, offs, None, p, g, m, v, beta1, beta2, one_minus_beta1, one_minus_beta2,
+                                eps, keep, step_size, bc2_sqrt, COPY)
     else:
         for i in tl.static_range(0, CHUNK, BLOCK):
             offs = start + i + tl.arange(0, BLOCK)
-            _adamw_block(P, G, M, V, C, offs, offs < n, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, keep,
-                         step_size, bc2_sqrt, COPY)
+            p, g, m, v = _adamw_loads(P, G, M, V, offs, offs < n)
+            _adamw_update_store(P, M, V, C, offs, offs < n, p, g, m, v, beta1, beta2, one_minus_beta1,
+                                one_minus_beta2, eps, keep, step_size, bc2_sqrt, COPY)
 
 
 _chunk_tables: dict = {}   # (device, numels, CHUNK) -> (numels, chunk tensor, chunk start) on the device
