@@ -255,6 +255,42 @@ def timed_steps(step, inputs, steps, device):
     return start.elapsed_time(end) / steps, issue_ms, loss
 
 
+def trace_kernels(prof) -> list:
+    """(name, start us, duration us) of every GPU activity (kernels, memsets, copies) the profiler recorded."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    return [(e["name"], float(e["ts"]), float(e.get("dur", 0.0))) for e in events
+            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
+
+
+def gpu_idle(kernels: list, steps: int) -> Optional[dict]:
+    """Where the GPU waits between its own work, a step's share: the span from the first activity's start to the
+    last one's end, the time some activity runs (overlaps counted once), the rest idle; the idle time before
+    fastbert's Triton kernels (names ``_*_kernel``) apart from the rest, and the median gap."""
+    if not kernels:
+        return None
+    kernels = sorted(kernels, key=lambda k: k[1])
+    busy, idle_triton, idle_other, gaps, end = 0.0, 0.0, 0.0, [], kernels[0][1]
+    for name, start, dur in kernels:
+        gap = max(0.0, start - end)
+        if gap > 0:
+            gaps.append(gap)
+            if name.startswith("_") and name.endswith("_kernel"):
+                idle_triton += gap
+            else:
+                idle_other += gap
+        busy += max(0.0, start + dur - max(start, end))
+        end = max(end, start + dur)
+    span = end - kernels[0][1]
+    ms = lambda us: round(us / steps / 1e3, 3)  # noqa: E731
+    return dict(activities_per_step=round(len(kernels) / steps), span_ms=ms(span), busy_ms=ms(busy),
+                idle_ms=ms(span - busy), idle_before_triton_ms=ms(idle_triton), idle_before_other_ms=ms(idle_other),
+                median_gap_us=round(statistics.median(gaps), 2) if gaps else 0.0)
+
+
 def run_contender(name, inp: Inputs, warmup, steps, device, profile=False, out_dir=None):
     model, step_model = build(name, inp.hf_state, inp.hcfg, inp.fcfg, device)
     autocast = autocast_for(device)
@@ -309,6 +345,7 @@ def run_contender(name, inp: Inputs, warmup, steps, device, profile=False, out_d
         replays = graphs.replays if graphs is not None else 0
         ms, issue_ms, loss = timed_steps(step, batches, steps, device)
         replays = graphs.replays - replays if graphs is not None else 0    # == steps when every step replayed
+        gaps = None
         if profile:
             from torch.profiler import ProfilerActivity, profile as torch_profile
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -316,6 +353,9 @@ def run_contender(name, inp: Inputs, warmup, steps, device, profile=False, out_d
                 for i in range(3):
                     step(batches[i % len(batches)])
                 synchronize(device)
+            gaps = gpu_idle(trace_kernels(prof), 3) if device.type == "cuda" else None
+            if gaps:
+                print(f"--- GPU idle {name}: " + ", ".join(f"{k} {v}" for k, v in gaps.items()), flush=True)
             sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
             table = prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90)
             if out_dir:  # the whole table beside the JSON; the top of it on stdout
@@ -328,6 +368,8 @@ def run_contender(name, inp: Inputs, warmup, steps, device, profile=False, out_d
                    peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None)
         if graphs is not None:
             res["graph_replays"] = replays
+        if profile and gaps:
+            res["gpu_idle"] = gaps
     finally:
         if graphs is not None:
             synchronize(device)
@@ -474,7 +516,8 @@ def parse_args(argv):
     p.add_argument("--probe-order", action="store_true",
                    help="fb-triton, hf-compile, fb-triton in one process, with what may differ between the runs")
     p.add_argument("--out", default=os.environ.get("OUT"))
-    p.add_argument("--profile", default="", help="comma-separated contenders to profile (torch profiler, 3 steps)")
+    p.add_argument("--profile", default="", help="comma-separated contenders to profile (torch profiler, 3 steps; on a GPU "
+                                            "also the GPU's idle time between its kernels, gpu_idle in the JSON)")
     p.add_argument("--worker", help=argparse.SUPPRESS)       # run this one contender (spawned by the parent)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)   # where the worker writes its result
     args = p.parse_args(argv)

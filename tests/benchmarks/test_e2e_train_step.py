@@ -91,3 +91,17 @@ def test_probe_report_without_a_gpu(capsys):
                        dict(run, ms_per_step=121.0, autotune={"ffn.k": {"(1,)": "BLOCK_M: 128"}})])
     out = capsys.readouterr().out
     assert "| ms/step | 85.00 | 121.00 |" in out and "differ in ffn.k" in out
+
+
+def test_gpu_idle_counts_gaps_once_and_by_the_kernel_after_them():
+    bench = load_bench()
+    # two steps: a GEMM, a Triton kernel 2 us later, a memset overlapping it, a cuBLAS kernel 3 us after both end
+    step = [("nvjet_gemm", 0.0, 10.0), ("_ln_fwd_kernel", 12.0, 5.0), ("Memset (Device)", 14.0, 1.0),
+            ("nvjet_gemm", 20.0, 4.0)]
+    trace = step + [(n, t + 30.0, d) for n, t, d in step]        # 6 us between the steps
+    r = bench.gpu_idle(trace, 2)
+    assert r["activities_per_step"] == 4 and r["busy_ms"] == 0.019 and r["span_ms"] == 0.027
+    assert r["idle_ms"] == 0.008                                  # (2 + 3 + 6 + 2 + 3) / 2 us
+    assert r["idle_before_triton_ms"] == 0.002 and r["idle_before_other_ms"] == 0.006
+    assert r["median_gap_us"] == 3.0                              # of 2, 3, 6, 2, 3
+    assert bench.gpu_idle([], 3) is None
