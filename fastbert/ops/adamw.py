@@ -128,15 +128,23 @@ def _chunks(numels: tuple, device: torch.device):
     return hit
 
 
+_NOT_DENSE = "weights, gradients and moments must be contiguous fp32 tensors of one size on one device"
+
+
+def _dense_fp32(params, row) -> bool:
+    """Whether ``row``'s tensors are contiguous fp32 tensors of their weights' sizes on the first weight's device."""
+    device = params[0].device
+    return all(t.dtype == torch.float32 and t.device == device and t.is_contiguous() and t.numel() == p.numel()
+               for p, t in zip(params, row))
+
+
 def check_tensors(params, grads, exp_avgs, exp_avg_sqs, steps, copies) -> Optional[str]:
     """Why ``adamw_step_`` cannot take these tensors (one line), or None."""
     if not params:
         return "no tensors"
     device = params[0].device
-    for row in (params, grads, exp_avgs, exp_avg_sqs):
-        for p, t in zip(params, row):
-            if t.dtype != torch.float32 or t.device != device or not t.is_contiguous() or t.numel() != p.numel():
-                return "weights, gradients and moments must be contiguous fp32 tensors of one size on one device"
+    if not all(_dense_fp32(params, row) for row in (params, grads, exp_avgs, exp_avg_sqs)):
+        return _NOT_DENSE
     if any(s.dtype != torch.float32 or s.device != device or s.numel() != 1 for s in steps):
         return "step counts must be one-element fp32 tensors on the weights' device"
     if any(c is not None and c.dtype not in _COPY_TL for c in copies):
@@ -157,24 +165,43 @@ def _anchor(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
+def _offsets(tensors, anchor: torch.Tensor) -> list:
+    """The tensors' element offsets from ``anchor``'s first element (same dtype)."""
+    base, size = anchor.data_ptr(), anchor.element_size()
+    return [(t.data_ptr() - base) // size for t in tensors]
+
+
+def _aligned(tensors) -> bool:
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
 class _Launch:
     """One kernel launch's device tables: the tensors' element offsets from an fp32 anchor (rows 0-4: weights,
     gradients, moments, step counts) and from a 16-bit one (row 5, the copies), the chunks, and whether every
-    tensor but the step counts starts on 16 bytes."""
+    tensor but the step counts starts on 16 bytes. The gradients' row is rewritten when they move
+    (:meth:`set_grads`)."""
 
     def __init__(self, rows: list, device: torch.device):
-        addrs = [[t.data_ptr() for t in row] for row in rows]
-        self.aligned = all(a % 16 == 0 for r, row in enumerate(addrs) if r != 4 for a in row)
         self.f32 = _anchor(device, torch.float32)
         self.c16 = _anchor(device, rows[5][0].dtype) if len(rows) > 5 else self.f32
-        offs = [[(a - self.f32.data_ptr()) // 4 for a in row] for row in addrs[:5]]
+        self.fixed_aligned = all(_aligned(row) for r, row in enumerate(rows) if r not in (1, 4))
+        self.aligned = self.fixed_aligned and _aligned(rows[1])
+        offs = [_offsets(row, self.f32) for row in rows[:5]]
         if len(rows) > 5:
-            offs.append([(a - self.c16.data_ptr()) // 2 for a in addrs[5]])
-        host = torch.tensor(offs, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.table = host.to(device, non_blocking=True)
+            offs.append(_offsets(rows[5], self.c16))
+        self.table = self._to_device(offs, device)
         self.numels, self.chunk_t, self.chunk_start = _chunks(tuple(t.numel() for t in rows[0]), device)
         self.n = len(rows[0])
         self.copy = _COPY_TL[rows[5][0].dtype] if len(rows) > 5 else ""
+
+    @staticmethod
+    def _to_device(offsets: list, device: torch.device) -> torch.Tensor:
+        # from pinned memory: the copy is queued behind the stream's work, the host does not wait for it
+        return torch.tensor(offsets, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+
+    def set_grads(self, grads) -> None:
+        self.table[1].copy_(self._to_device(_offsets(grads, self.f32), self.table.device), non_blocking=True)
+        self.aligned = self.fixed_aligned and _aligned(grads)
 
     def __call__(self, found_inf, lr, beta1, beta2, eps, weight_decay):
         _adamw_kernel[(self.chunk_t.numel(),)](
@@ -186,11 +213,20 @@ class _Launch:
 
 
 class Plan:
-    """``adamw_step_``'s launches for one set of tensors (``prepare``)."""
+    """``adamw_step_``'s launches for one set of tensors (``prepare``). An optimizer keeps its plan across steps
+    (building one checks every tensor and fills device tables: ~2-3 ms of host time at BERT-base's 200 tensors,
+    which a step that waits for its host pays in full): :meth:`matches` says whether the weights, moments, step
+    counts and copies are still the ones it was built for (the same tensors at the same addresses), and
+    :meth:`bind` takes each step's gradients, which are new tensors every step when they are set to None between
+    steps (their rows of the tables are rewritten only when their addresses moved)."""
 
     def __init__(self, params, grads, exp_avgs, exp_avg_sqs, steps, copies):
         self.device = params[0].device
         self.steps = steps
+        self.fixed = (params, exp_avgs, exp_avg_sqs, steps, copies)   # held: their ids stay theirs
+        self.ids = self._ids(*self.fixed)
+        self.param_ptrs = [p.data_ptr() for p in params]
+        self.grad_ptrs = [g.data_ptr() for g in grads]
         groups: dict = {}       # copy dtype (None: no copy) -> the tensors' indices
         for i, c in enumerate(copies):
             groups.setdefault(c.dtype if c is not None else None, []).append(i)
@@ -200,7 +236,32 @@ class Plan:
                     [exp_avg_sqs[i] for i in idx], [steps[i] for i in idx]]
             if dtype is not None:
                 rows.append([copies[i] for i in idx])
-            self.launches.append(_Launch(rows, self.device))
+            self.launches.append((idx, _Launch(rows, self.device)))
+
+    @staticmethod
+    def _ids(*rows) -> tuple:
+        return tuple(tuple(map(id, row)) for row in rows)
+
+    def matches(self, params, exp_avgs, exp_avg_sqs, steps, copies) -> bool:
+        """Whether these are the tensors this plan was built for, the weights still at their addresses (a weight's
+        ``.data`` may be replaced in place of the parameter, e.g. by ``module.to``)."""
+        return self._ids(params, exp_avgs, exp_avg_sqs, steps, copies) == self.ids and \
+            [p.data_ptr() for p in params] == self.param_ptrs
+
+    def bind(self, grads) -> Optional[str]:
+        """This step's gradients (one for each weight, in order), or why they cannot be taken. torch keeps a
+        ``.grad``'s dtype, shape and device its parameter's; its layout may differ, so contiguity is checked
+        every step."""
+        ptrs = [g.data_ptr() for g in grads]
+        if ptrs != self.grad_ptrs:
+            if len(grads) != len(self.fixed[0]) or not _dense_fp32(self.fixed[0], grads):
+                return _NOT_DENSE
+            for idx, launch in self.launches:
+                launch.set_grads([grads[i] for i in idx])
+            self.grad_ptrs = ptrs
+        elif not all(g.is_contiguous() for g in grads):
+            return _NOT_DENSE
+        return None
 
     def step(self, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
              found_inf: Optional[torch.Tensor] = None) -> None:
@@ -209,33 +270,21 @@ class Plan:
         else:
             found_inf = found_inf.reshape(()).to(device=self.device, dtype=torch.float32)
             torch._foreach_add_(self.steps, 1.0 - found_inf)
-        for launch in self.launches:
+        for _, launch in self.launches:
             launch(found_inf, lr, beta1, beta2, eps, weight_decay)
 
 
-_plans: dict = {}   # the tensors' (ids, addresses) -> Plan, the last few
-
-
 def prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None):
-    """A :class:`Plan` for these tensors, or the reason (one line) they cannot take this step. Checking the
-    tensors and building the device tables costs ~3 ms of host time at BERT-large's 300 tensors, so a plan is
-    kept while every tensor keeps its identity and address (weights, moments and copies do; gradients too when
-    the caching allocator hands the same blocks back)."""
+    """A :class:`Plan` for these tensors, or the reason (one line) they cannot take this step."""
     copies = list(copies) if copies is not None else [None] * len(params)
     if not params:
         return "no tensors"
     rows = (params, grads, exp_avgs, exp_avg_sqs, steps, copies)
-    key = tuple((id(t), t.data_ptr()) if t is not None else None for row in rows for t in row)
-    plan = _plans.get(key)
-    if plan is None:
-        reason = check_tensors(*rows)
-        if reason is not None:
-            return reason
-        check_triton_device(params[0])
-        plan = _plans[key] = Plan(*rows)
-        while len(_plans) > 8:
-            _plans.pop(next(iter(_plans)))
-    return plan
+    reason = check_tensors(*rows)
+    if reason is not None:
+        return reason
+    check_triton_device(params[0])
+    return Plan(*rows)
 
 
 def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, lr: float, beta1: float,

@@ -77,10 +77,10 @@ class WeightCasts:
         written, self._written = self._written, {}
         groups: dict = {}
         for key, (p, copy) in list(self._copies.items()):
+            if written.get(id(p)) == p._version:   # (copies_of gave it: it fitted then, and p has not changed)
+                continue
             if not _fits(p, copy):
                 del self._copies[key]
-                continue
-            if written.get(id(p)) == p._version:
                 continue
             dst, src = groups.setdefault((p.device, p.dtype, copy.dtype), ([], []))
             dst.append(copy.data)

@@ -120,6 +120,7 @@ class AdamW(torch.optim.AdamW):
     def __init__(self, params: Iterable, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
         self.weight_casts = None   # a WeightCasts whose copies this step writes (TrainEngine sets it)
+        self._kernel_plans: dict = {}   # group index -> the ops.adamw Plan of its last step
 
     def _plans(self) -> Optional[list]:
         """Per group with gradients, (group, its parameters with gradients, their copies, the kernel's plan), or
@@ -127,7 +128,7 @@ class AdamW(torch.optim.AdamW):
         if self.weight_casts is None or not HAS_TRITON or getattr(self, "grad_scale", None) is not None:
             return None
         plans = []
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             if group["amsgrad"] or group["maximize"] or group["differentiable"] or torch.is_tensor(group["lr"]):
                 return None
             params = [p for p in group["params"] if p.grad is not None]
@@ -143,10 +144,18 @@ class AdamW(torch.optim.AdamW):
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             states = [self.state[p] for p in params]
             copies = self.weight_casts.copies_of(params)
-            plan = adamw.prepare(params, [p.grad for p in params], [s["exp_avg"] for s in states],
-                                 [s["exp_avg_sq"] for s in states], [s["step"] for s in states], copies)
-            if isinstance(plan, str):
-                return None
+            grads = [p.grad for p in params]
+            fixed = (params, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                     [s["step"] for s in states], copies)
+            plan = self._kernel_plans.get(index)
+            # A kept plan takes this step's gradients; another set of tensors (a parameter without a gradient
+            # this step, a state dict loaded, new copies) gets a new plan.
+            if plan is None or not plan.matches(*fixed) or plan.bind(grads) is not None:
+                plan = adamw.prepare(fixed[0], grads, *fixed[1:])
+                if isinstance(plan, str):
+                    self._kernel_plans.pop(index, None)
+                    return None
+                self._kernel_plans[index] = plan
             plans.append((group, params, copies, plan))
         if plans and all(c is None for _, _, copies, _ in plans for c in copies):
             return None          # nothing to write (fp32 training): torch's kernel is faster

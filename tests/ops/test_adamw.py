@@ -171,6 +171,34 @@ def test_optimizer_trains_as_torch_adamw_and_its_state_dict_is_torchs():
     _assert_updates_match(mine, ref, before)
 
 
+def test_optimizer_keeps_its_plan_and_takes_each_steps_new_gradients():
+    """Gradients are new tensors every step (set to None between steps): the plan built at the first step is kept
+    and pointed at them (its tables rewritten where they moved); a weight whose storage was replaced gets a new
+    plan; a gradient the kernel cannot read sends the step to torch's kernel."""
+    mine, ref = _model_params(), _model_params()
+    opt = AdamW(mine, lr=1e-2)
+    opt.weight_casts = _casts(mine)
+    opt_ref = torch.optim.AdamW(ref, lr=1e-2, foreach=False)
+    held = []                                     # old gradients kept alive: the new ones cannot take their place
+    for i in range(4):
+        if i == 2:                                # as module.to() or a .data assignment would
+            with torch.no_grad():
+                mine[0].data, ref[0].data = mine[0].data.clone(), ref[0].data.clone()
+        held.append([p.grad for p in mine])
+        before = [p.detach().clone() for p in mine]
+        _grads(mine, i), _grads(ref, i)
+        opt.step(), opt_ref.step()
+        _assert_updates_match(mine, ref, before)
+        plan = opt._kernel_plans[0]
+        if i == 1:
+            assert plan is first and plan.grad_ptrs == [p.grad.data_ptr() for p in mine]
+        elif i == 2:
+            assert plan is not first
+        first = plan
+    mine[1].grad = torch.randn(8, device=DEVICE)[::2]   # (4,), strided
+    assert opt._plans() is None
+
+
 def test_optimizer_writes_the_copies_and_the_refresh_skips_them():
     params = _model_params()
     casts = WeightCasts()
