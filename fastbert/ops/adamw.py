@@ -269,7 +269,9 @@ class Plan:
             torch._foreach_add_(self.steps, 1.0)
         else:
             found_inf = found_inf.reshape(()).to(device=self.device, dtype=torch.float32)
-            torch._foreach_add_(self.steps, 1.0 - found_inf)
+            # a list of tensors: with one tensor, _foreach_add_ reads its value on the host (a sync that stalled
+            # the step until its backward had finished, benchmarks/RESULTS.md, twenty-sixth session)
+            torch._foreach_add_(self.steps, [1.0 - found_inf] * len(self.steps))
         for _, launch in self.launches:
             launch(found_inf, lr, beta1, beta2, eps, weight_decay)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastbert.ops import weight_casts
 from fastbert.ops.adamw import CHUNK, adamw_reference_, adamw_step_
@@ -258,7 +259,19 @@ def test_optimizer_step_reads_nothing_back(monkeypatch):
         def read(self, *a, _name=name, **k):
             raise AssertionError(f"Tensor.{_name} during the optimizer step")
         monkeypatch.setattr(torch.Tensor, name, read)
-    opt.step()                                    # the first step builds the plan (host-side checks only)
-    opt.found_inf = found_inf
-    opt.step()
-    opt.step()
+    with _NoReads():                              # reads inside torch's ops (a foreach op given one tensor)
+        opt.step()                                # the first step builds the plan (host-side checks only)
+        opt.found_inf = found_inf
+        opt.step()
+        _grads(params, 1)                         # new gradients: the kept plan takes them
+        opt.step()
+
+
+class _NoReads(TorchDispatchMode):
+    """Fails on any op that reads a tensor's value on the host, wherever it is called from."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero,
+                                   torch.ops.aten.is_nonzero, torch.ops.aten.equal):
+            raise AssertionError(f"{func} during the optimizer step")
+        return func(*args, **(kwargs or {}))
