@@ -114,6 +114,12 @@ def _adamw_kernel(F32, C16, OFFS, NUMELS, CHUNK_T, CHUNK_START, FOUND_INF, n_ten
 _chunk_tables: dict = {}   # (device, numels, CHUNK) -> (numels, chunk tensor, chunk start) on the device
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor ``t`` on ``device`` without the host waiting: from pinned memory, the copy queued behind the
+    stream's work (from pageable memory the host would wait for the stream, which is the optimizer step)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 def _chunks(numels: tuple, device: torch.device):
     """Device tables for tensors of these sizes: each tensor's size, and every chunk's (tensor, start)."""
     key = (device, numels, CHUNK)
@@ -123,7 +129,8 @@ def _chunks(numels: tuple, device: torch.device):
         tensor = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), torch.tensor(counts))
         first = torch.tensor([0] + counts[:-1], dtype=torch.int64).cumsum(0)
         start = (torch.arange(len(tensor), dtype=torch.int64) - first[tensor.long()]) * CHUNK
-        hit = (torch.tensor(numels, dtype=torch.int64).to(device), tensor.to(device), start.to(device))
+        hit = (_to_device(torch.tensor(numels, dtype=torch.int64), device), _to_device(tensor, device),
+               _to_device(start, device))
         _chunk_tables[key] = hit
     return hit
 
@@ -189,18 +196,14 @@ class _Launch:
         offs = [_offsets(row, self.f32) for row in rows[:5]]
         if len(rows) > 5:
             offs.append(_offsets(rows[5], self.c16))
-        self.table = self._to_device(offs, device)
+        self.table = _to_device(torch.tensor(offs, dtype=torch.int64), device)
         self.numels, self.chunk_t, self.chunk_start = _chunks(tuple(t.numel() for t in rows[0]), device)
         self.n = len(rows[0])
         self.copy = _COPY_TL[rows[5][0].dtype] if len(rows) > 5 else ""
 
-    @staticmethod
-    def _to_device(offsets: list, device: torch.device) -> torch.Tensor:
-        # from pinned memory: the copy is queued behind the stream's work, the host does not wait for it
-        return torch.tensor(offsets, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
-
     def set_grads(self, grads) -> None:
-        self.table[1].copy_(self._to_device(_offsets(grads, self.f32), self.table.device), non_blocking=True)
+        self.table[1].copy_(_to_device(torch.tensor(_offsets(grads, self.f32), dtype=torch.int64), self.table.device),
+                            non_blocking=True)
         self.aligned = self.fixed_aligned and _aligned(grads)
 
     def __call__(self, found_inf, lr, beta1, beta2, eps, weight_decay):

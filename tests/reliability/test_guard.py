@@ -314,13 +314,23 @@ def test_two_ranks_skip_in_agreement(data_dir, tmp_path):
 
 
 @pytest.mark.gpu
-def test_on_cuda_a_step_reads_nothing_back_and_a_bad_step_is_skipped_on_the_device():
-    """CUDA, torch's fused AdamW (the default there): check, step and a late verdict run with
-    torch.cuda.set_sync_debug_mode("error"); a NaN step leaves weights and Adam state untouched."""
+@pytest.mark.parametrize("optimizer", ["torch-fused", "fastbert"])
+def test_on_cuda_a_step_reads_nothing_back_and_a_bad_step_is_skipped_on_the_device(optimizer):
+    """CUDA, torch's fused AdamW and fastbert's (the default there: its kernel's step while it writes the weights'
+    16-bit copies): check, step and a late verdict run with torch.cuda.set_sync_debug_mode("error"); a NaN step
+    leaves weights and Adam state untouched."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    model = torch.nn.Linear(3, 2).cuda()
-    inner = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    model = torch.nn.Linear(32, 16).cuda()
+    if optimizer == "fastbert":
+        from fastbert.ops import weight_casts
+        from fastbert.training.optim import AdamW
+        inner = AdamW(model.parameters(), lr=0.1)
+        inner.weight_casts = weight_casts.WeightCasts()
+        with inner.weight_casts.active():
+            weight_casts.cast(model.weight, torch.bfloat16)
+    else:
+        inner = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
     guard = SpikeGuard({"min_history": 3, "window": 10, "warmup_steps": 0}, device="cuda")
     engine = FakeEngine(model, inner)
     install(engine, guard)
