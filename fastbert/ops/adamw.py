@@ -114,10 +114,14 @@ def _adamw_kernel(F32, C16, OFFS, NUMELS, CHUNK_T, CHUNK_START, FOUND_INF, n_ten
 _chunk_tables: dict = {}   # (device, numels, CHUNK) -> (numels, chunk tensor, chunk start) on the device
 
 
+def _pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor ``t`` ready for a copy to ``device`` that the host does not wait for: pinned for a CUDA device (a
+    copy from pageable memory waits for the stream, which is the optimizer step's)."""
+    return t.pin_memory() if device.type == "cuda" else t
+
+
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host tensor ``t`` on ``device`` without the host waiting: from pinned memory, the copy queued behind the
-    stream's work (from pageable memory the host would wait for the stream, which is the optimizer step)."""
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+    return _pinned(t, device).to(device, non_blocking=True)
 
 
 def _chunks(numels: tuple, device: torch.device):
@@ -202,8 +206,8 @@ class _Launch:
         self.copy = _COPY_TL[rows[5][0].dtype] if len(rows) > 5 else ""
 
     def set_grads(self, grads) -> None:
-        self.table[1].copy_(_to_device(torch.tensor(_offsets(grads, self.f32), dtype=torch.int64), self.table.device),
-                            non_blocking=True)
+        host = torch.tensor(_offsets(grads, self.f32), dtype=torch.int64)
+        self.table[1].copy_(_pinned(host, self.table.device), non_blocking=True)
         self.aligned = self.fixed_aligned and _aligned(grads)
 
     def __call__(self, found_inf, lr, beta1, beta2, eps, weight_decay):
