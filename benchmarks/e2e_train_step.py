@@ -15,7 +15,8 @@ padded / sst2 mode it does more work than fb-triton), hf-patch (HF SDPA model + 
 fb-fp8 / fb-fp8-graphs (fb-triton / fb-graphs with BertConfig.fp8: the encoder's GEMMs in FP8 with delayed
 scaling, what `train.precision=fp8` runs; asked for by name). All run bf16 autocast over fp32 weights with
 torch's fused AdamW, except fb-graphs and fb-fp8-graphs, which step as the engine does: fastbert's AdamW
-(training/optim.py), which also writes the weights' bf16 copies the forward reads (ops/weight_casts.py).
+(training/optim.py), which also writes the weights' bf16 copies the forward reads (ops/weight_casts.py), and
+is handed a found_inf flag each step as the spike guard hands it.
 
 Isolation: every contender runs in a fresh worker process (this script with --worker), since what one
 contender leaves in a process slows the next (fb-triton: 85 ms/step alone, 121 right after hf-compile).
@@ -314,6 +315,8 @@ def run_contender(name, inp: Inputs, warmup, steps, device, profile=False, out_d
             from fastbert.training.optim import AdamW
             opt, casts = AdamW(model.parameters(), **hyper), WeightCasts()
             opt.weight_casts = casts
+            # the spike guard's verdict, as `fastbert pretrain` hands it to the optimizer every step (a device flag)
+            opt.found_inf = torch.zeros((), device=device)
         else:
             opt = torch.optim.AdamW(model.parameters(), **hyper, fused=True)
 
