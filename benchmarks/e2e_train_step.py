@@ -519,8 +519,8 @@ def parse_args(argv):
     p.add_argument("--probe-order", action="store_true",
                    help="fb-triton, hf-compile, fb-triton in one process, with what may differ between the runs")
     p.add_argument("--out", default=os.environ.get("OUT"))
-    p.add_argument("--profile", default="", help="comma-separated contenders to profile (torch profiler, 3 steps; on a GPU "
-                                            "also the GPU's idle time between its kernels, gpu_idle in the JSON)")
+    p.add_argument("--profile", default="", help="comma-separated contenders to profile (torch profiler, 3 steps; "
+                   "on a GPU also the GPU's idle time between its kernels, gpu_idle in the JSON)")
     p.add_argument("--worker", help=argparse.SUPPRESS)       # run this one contender (spawned by the parent)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)   # where the worker writes its result
     args = p.parse_args(argv)
