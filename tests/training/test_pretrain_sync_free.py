@@ -2,7 +2,10 @@
 
 The loop runs in a child process (a world of one, ZeRO-0 with fastbert's fused clipping, gradient
 accumulation 2, Triton kernels in the interpreter, the spike guard on and judging from the first step) with
-Tensor.item / tolist / __bool__ / __int__ / __float__ / nonzero instrumented. The optimizer is fastbert's AdamW,
+Tensor.item / tolist / __bool__ / __int__ / __float__ / nonzero instrumented, and the ops that read a value on the
+host (``_local_scalar_dense``, ``nonzero``, ``is_nonzero``, ``equal``) watched by a dispatch mode wherever they are
+called from, inside torch's ops too (a foreach op given one tensor reads it: the twenty-sixth session's finding in
+benchmarks/RESULTS.md, which Python-level instrumentation could not see). The optimizer is fastbert's AdamW,
 the one ``fastbert pretrain`` uses on CUDA (on the CPU it uses torch's foreach AdamW, which reads its step counters
 and makes the guard read its verdict: there is no device to wait for); in fp32 it runs torch's fused step, and its
 own kernel's step is checked for reads in tests/ops/test_adamw.py. Reads are allowed only at log
@@ -45,16 +48,34 @@ def counted(self):
 engine_mod.TrainEngine.step = counted
 
 HOST = ("pretrain_dataset.py", "static_batch.py")           # the loader's numpy / CPU tensors
+def record(caller, what):
+    where = f"{caller.f_code.co_filename}:{caller.f_lineno}"
+    late = caller.f_code.co_name == "_judge"          # the guard reading the previous step's verdict
+    if started[0] and not where.split(":")[0].endswith(HOST) and "/torch/optim/" not in where and not late:
+        reads.append([steps[0], f"{what} at {where} ({caller.f_code.co_name})"])
 for name in ("item", "tolist", "__bool__", "__int__", "__float__", "nonzero"):
     def read(self, *a, _orig=getattr(torch.Tensor, name), _name=name, **k):
-        caller = sys._getframe(1)
-        where = f"{caller.f_code.co_filename}:{caller.f_lineno}"
-        late = caller.f_code.co_name == "_judge"      # the guard reading the previous step's verdict
-        if started[0] and not where.split(":")[0].endswith(HOST) and "/torch/optim/" not in where and not late:
-            reads.append([steps[0], f"{_name} at {where} ({caller.f_code.co_name})"])
+        record(sys._getframe(1), _name)
         return _orig(self, *a, **k)
     setattr(torch.Tensor, name, read)
-summary = run_pretraining(load_config(sys.argv[1]))
+
+# Reads inside torch's ops too (a foreach op given one tensor reads it on the host): attributed to the innermost
+# caller outside torch, judged as above (torch's optimizers' own reads of their CPU step counts are theirs).
+from torch.utils._python_dispatch import TorchDispatchMode
+TORCH = torch.__file__.rsplit("/", 1)[0] + "/"
+class DeviceReads(TorchDispatchMode):
+    OPS = (torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero, torch.ops.aten.is_nonzero, torch.ops.aten.equal)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in self.OPS:
+            frame, in_optim = sys._getframe(1), False
+            while frame is not None and (frame.f_code.co_filename.startswith(TORCH) or frame.f_code is read.__code__):
+                in_optim |= "/torch/optim/" in frame.f_code.co_filename
+                frame = frame.f_back
+            if frame is not None and not in_optim:
+                record(frame, f"aten.{func.overloadpacket.__name__}")
+        return func(*args, **(kwargs or {}))
+with DeviceReads():
+    summary = run_pretraining(load_config(sys.argv[1]))
 print("RESULT " + json.dumps({"steps": steps[0], "reads": reads, "summary_steps": summary["steps"]}))
 """
 
