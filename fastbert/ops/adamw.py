@@ -255,6 +255,16 @@ class Plan:
         return self._ids(params, exp_avgs, exp_avg_sqs, steps, copies) == self.ids and \
             [p.data_ptr() for p in params] == self.param_ptrs
 
+    @property
+    def copies(self) -> list:
+        return self.fixed[4]
+
+    def holds(self, params) -> bool:
+        """Whether ``params`` are this plan's weights, still at their addresses: :meth:`matches` without the moments,
+        step counts and copies, for a caller that knows those are unchanged (an optimizer whose state was not
+        loaded, with the same copies: ``training.optim.AdamW``)."""
+        return tuple(map(id, params)) == self.ids[0] and [p.data_ptr() for p in params] == self.param_ptrs
+
     def bind(self, grads) -> Optional[str]:
         """This step's gradients (one for each weight, in order), or why they cannot be taken. torch keeps a
         ``.grad``'s dtype, shape and device its parameter's; its layout may differ, so contiguity is checked

@@ -39,6 +39,7 @@ class WeightCasts:
     def __init__(self):
         self._copies: dict[tuple[int, torch.dtype], tuple[torch.nn.Parameter, torch.Tensor]] = {}
         self._written: dict[int, int] = {}   # id(parameter) -> its version when an optimizer wrote its copy
+        self.generation = 0   # moves whenever a copy is made or dropped: what copies_of gave may be stale
 
     def __len__(self) -> int:
         return len(self._copies)
@@ -52,6 +53,7 @@ class WeightCasts:
         with torch.no_grad():
             copy = p.detach().to(dtype, copy=True)
         self._copies[key] = (p, copy)
+        self.generation += 1
         return copy
 
     def copies_of(self, params) -> list:
@@ -81,6 +83,7 @@ class WeightCasts:
                 continue
             if not _fits(p, copy):
                 del self._copies[key]
+                self.generation += 1
                 continue
             dst, src = groups.setdefault((p.device, p.dtype, copy.dtype), ([], []))
             dst.append(copy.data)

@@ -12,6 +12,7 @@ its dtype by round to nearest even, as ``Tensor.to``: bit-equal (on the GPU; the
 the arithmetic the brief warns of, so there a bf16 copy is checked to within one bf16 step)."""
 from __future__ import annotations
 
+import copy
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -190,7 +191,7 @@ def test_optimizer_keeps_its_plan_and_takes_each_steps_new_gradients():
         _grads(mine, i), _grads(ref, i)
         opt.step(), opt_ref.step()
         _assert_updates_match(mine, ref, before)
-        plan = opt._kernel_plans[0]
+        plan = opt._kernel_plans[0][0]
         if i == 1:
             assert plan is first and plan.grad_ptrs == [p.grad.data_ptr() for p in mine]
         elif i == 2:
@@ -198,6 +199,43 @@ def test_optimizer_keeps_its_plan_and_takes_each_steps_new_gradients():
         first = plan
     mine[1].grad = torch.randn(8, device=DEVICE)[::2]   # (4,), strided
     assert opt._plans() is None
+
+
+def test_optimizer_takes_its_plans_without_the_lookups_until_copies_or_state_change():
+    """After a group's first step its plan is taken at once while its weights and the copies are unchanged (no
+    copy lookups, no per-tensor checks: fine-tuning's short steps wait for the host); a new copy, or a state dict
+    loaded into the same optimizer, sends every group through the full lookup again, and the step then writes the
+    new copy and updates the loaded moments."""
+    mine, ref = _model_params(), _model_params()
+    opt = AdamW(_groups(mine, 3e-2), lr=1e-2, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01)
+    casts = _casts(mine[:2])
+    opt.weight_casts = casts
+    opt_ref = torch.optim.AdamW(_groups(ref, 3e-2), lr=1e-2, betas=(0.9, 0.98), eps=1e-6, foreach=False)
+    lookups = []
+    real = casts.copies_of
+    casts.copies_of = lambda params: (lookups.append(len(params)), real(params))[1]
+
+    def step(i):
+        before = [p.detach().clone() for p in mine]
+        _grads(mine, i), _grads(ref, i)
+        opt.step(), opt_ref.step()
+        _assert_updates_match(mine, ref, before)
+
+    step(0)
+    assert sorted(lookups) == [2, 2]              # both groups looked up once
+    step(1), step(2)
+    assert len(lookups) == 2                      # then taken at once
+    with casts.active():
+        new_copy = weight_casts.cast(mine[2], torch.float16)
+    step(3)
+    assert len(lookups) == 4                      # the new copy: both groups again
+    _assert_copy(new_copy, mine[2])
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))   # new moment and step-count tensors
+    step(4)
+    assert len(lookups) == 6
+    for p, r in zip(mine, ref):                   # the loaded moments were the ones updated
+        torch.testing.assert_close(opt.state[p]["exp_avg"], opt_ref.state[r]["exp_avg"], rtol=1e-5, atol=1e-7)
+        assert float(opt.state[p]["step"]) == 5.0
 
 
 def test_optimizer_writes_the_copies_and_the_refresh_skips_them():
