@@ -70,10 +70,16 @@ def embed(ops, w: EmbeddingWeights, input_ids, position_ids, token_type_ids, dro
 def layer(ops, x, w: LayerWeights, cu_seqlens, max_seqlen: int, rows: Rows | None = None, *,
           activation: Activation, softmax_scale: float, dropout: LayerDropout = LayerDropout(),
           prenorm: bool = False, output_attentions: bool = False, normed: torch.Tensor | None = None,
-          next_norm: LayerNormWeights | None = None):
+          next_norm: LayerNormWeights | None = None, keep: torch.Tensor | None = None):
     """One encoder layer on ``x`` ``(rows, hidden)``: Post-LN (original BERT) or Pre-LN. Returns the new
     x, the attention maps (``attention_maps_or_packed``'s) when ``output_attentions`` else None, and (Pre-LN)
     the new x normalized by ``next_norm``, else None.
+
+    ``keep`` (int64 row indices, repeats allowed): the layer's outputs are these rows only, in this order.
+    Attention still reads every row's keys and values; everything after it (the output projection, the
+    residual adds and LayerNorms, the FFN) runs on the kept rows alone. A kept row's arithmetic is what it is
+    without ``keep`` (every op after attention works row by row); its dropout draws differ (they follow the
+    row's place). The encoder's last layer keeps the rows the heads read (``BertModel.encode_packed``).
 
     Pre-LN chains its LayerNorms into the residual adds: ``normed`` is x already normalized by this layer's
     first LayerNorm (the previous layer's last op made it; None: normalized here), and ``next_norm`` (required)
@@ -92,14 +98,17 @@ def layer(ops, x, w: LayerWeights, cu_seqlens, max_seqlen: int, rows: Rows | Non
     # Post-LN: the layer's input feeds the QKV projection and the residual add, the attention block's output
     # the FFN and the next residual add; those ops hand their input back as a second output for the residual,
     # so its gradient joins theirs inside a GEMM instead of an addition kernel (16-bit and FP8 alike).
-    def attention(h):  # -> (output, probs, h for the residual)
+    def kept(t):
+        return t if keep is None else t.index_select(0, keep)
+
+    def attention(h):  # -> (output of the kept rows, probs, h for the residual)
         tokens = h.shape[0]
         p = dropout.attention
         if ops.qkv_attention is not None and not output_attentions and (rows is None or not rows.num_extra):
             # one op: the attention backward writes the bias gradient (with FP8, the gradient's FP8 operands)
             ctx, h = ops.qkv_attention(h, w.qkv_weight, w.qkv_bias, nh, cu_seqlens, max_seqlen, dropout_p=p,
                                        softmax_scale=softmax_scale, fp8=w.fp8)
-            return linear(ctx.reshape(tokens, nh * hd), w.attention_out_weight, None, 1)[0], None, h
+            return linear(kept(ctx.reshape(tokens, nh * hd)), w.attention_out_weight, None, 1)[0], None, h
         qkv, h = linear(h, w.qkv_weight, w.qkv_bias, 0)
         qkv = qkv.view(tokens, 3, nh, hd)  # (T, 3, nh, hd)
         ctx = with_padding_rows(
@@ -107,7 +116,7 @@ def layer(ops, x, w: LayerWeights, cu_seqlens, max_seqlen: int, rows: Rows | Non
             qkv, rows, softmax_scale, p)  # (T, nh, hd)
         probs = (attention_maps_or_packed(qkv, rows, cu_seqlens, max_seqlen, softmax_scale)
                  if output_attentions else None)
-        out = linear(ctx.reshape(tokens, nh * hd), w.attention_out_weight, None, 1)[0]  # bias: in add + norm
+        out = linear(kept(ctx.reshape(tokens, nh * hd)), w.attention_out_weight, None, 1)[0]  # bias: in add + norm
         return out, probs, h
 
     def ffn(h):  # -> (output, h for the residual); the output bias is left to the caller
@@ -128,7 +137,7 @@ def layer(ops, x, w: LayerWeights, cu_seqlens, max_seqlen: int, rows: Rows | Non
 
     if not prenorm:
         y, probs, x = attention(x)
-        x = add_norm(y, x, w.attention_norm, w.attention_out_bias, dropout.attention_output)
+        x = add_norm(y, kept(x), w.attention_norm, w.attention_out_bias, dropout.attention_output)
         y, x = ffn(x)
         x = add_norm(y, x, w.output_norm, w.output_bias, dropout.output)
         return x, probs, None
@@ -138,7 +147,7 @@ def layer(ops, x, w: LayerWeights, cu_seqlens, max_seqlen: int, rows: Rows | Non
         norm = w.attention_norm
         normed = ops.dropout_add_layer_norm(x, None, norm.weight, norm.bias, norm.eps)
     y, probs, _ = attention(normed)
-    h, x = add_norm(y, x, w.output_norm, w.attention_out_bias, dropout.attention_output, also_sum=True)
+    h, x = add_norm(y, kept(x), w.output_norm, w.attention_out_bias, dropout.attention_output, also_sum=True)
     # Pre-LN: the FFN's output joins the residual stream un-normalized; the sum is normalized for what follows
     normed, x = add_norm(ffn(h)[0], x, next_norm, w.output_bias, dropout.output, also_sum=True)
     return x, probs, normed

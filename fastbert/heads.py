@@ -92,14 +92,17 @@ class _MLMModel(BertPreTrainedModel):
         ``input_ids``, ``token_type_ids``, ``position_ids`` (rows, seq_len), ``cu_seqlens``,
         ``max_seqlen``, the masking collator's ``mlm_positions`` / ``mlm_targets`` slots and, with an
         NSP head, ``cls_positions`` / ``next_sentence_label`` slots (-100 where empty). Every shape is
-        fixed by the batch geometry and nothing is read back from the device."""
-        x = self.bert.encode_packed(packed)
+        fixed by the batch geometry and nothing is read back from the device. The last layer computes only
+        the rows the heads read: the MLM slots' tokens, then the NSP slots' first tokens."""
+        positions, labels = packed["mlm_positions"], packed.get("next_sentence_label")
+        nsp = self.has_nsp and labels is not None
+        slots = positions.shape[0]
+        x = self.bert.encode_packed(packed, torch.cat([positions, packed["cls_positions"]]) if nsp else positions)
         mlm_loss, correct, count = self.cls.predictions.loss(self.ops, x, packed["mlm_targets"],
-                                                             positions=packed["mlm_positions"])
+                                                             positions=torch.arange(slots, device=x.device))
         loss, nsp_logits, nsp_correct, nsp_count = mlm_loss, None, None, None
-        labels = packed.get("next_sentence_label")
-        if self.has_nsp and labels is not None:
-            pooled = self.bert.pooler(x.index_select(0, packed["cls_positions"]))
+        if nsp:
+            pooled = self.bert.pooler(x[slots:])
             nsp_logits = self.cls.seq_relationship(pooled)                           # (slots, 2)
             valid = labels != -100
             nsp_count = valid.sum()
@@ -229,9 +232,9 @@ class BertForSequenceClassification(BertPreTrainedModel):
     def _forward_packed(self, packed: dict, return_dict: bool = True):
         """The static-shape step of ``fastbert finetune`` (``data/static_batch.pack_examples``):
         examples back to back, each pooled at its first token (``cls_positions``); the loss is HF's
-        over the batch's ``labels``."""
-        x = self.bert.encode_packed(packed)
-        logits = self.classifier(self.dropout(self.bert.pooler(x.index_select(0, packed["cls_positions"]))))
+        over the batch's ``labels``. The last layer computes the pooled rows alone."""
+        x = self.bert.encode_packed(packed, packed["cls_positions"])
+        logits = self.classifier(self.dropout(self.bert.pooler(x)))
         labels = packed.get("labels")
         loss = sequence_classification_loss(self.config, logits, labels) if labels is not None else None
         res = ModelOutput(loss=loss, logits=logits)

@@ -122,10 +122,11 @@ class BertLayer(nn.Module):
                             LayerNormWeights(ln_out.weight, ln_out.bias, cfg.layer_norm_eps), fp8)
 
     def forward(self, ops, x, cu_seqlens, max_seqlen, output_attentions=False, rows: Rows | None = None,
-                fp8: tuple | None = None, normed=None, next_norm: nn.LayerNorm | None = None):
+                fp8: tuple | None = None, normed=None, next_norm: nn.LayerNorm | None = None, keep=None):
         """``x``: ``(T, hidden)``, the real tokens then ``rows``' padding rows (if any); ``fp8``: see
-        ``LayerWeights.fp8``; Pre-LN's ``normed`` and ``next_norm`` (the LayerNorm after this layer): see
-        ``encoder_fn.layer``. Returns (x, attention maps or None, x normalized by ``next_norm`` or None)."""
+        ``LayerWeights.fp8``; Pre-LN's ``normed`` and ``next_norm`` (the LayerNorm after this layer) and
+        ``keep`` (the output rows): see ``encoder_fn.layer``. Returns (x, attention maps or None, x normalized
+        by ``next_norm`` or None)."""
         cfg = self.config
         p_attn, p = (cfg.attention_probs_dropout_prob, cfg.hidden_dropout_prob) if self.training else (0.0, 0.0)
         return encoder_fn.layer(ops, x, self.weights(fp8), cu_seqlens, max_seqlen, rows,
@@ -133,7 +134,7 @@ class BertLayer(nn.Module):
                                 dropout=LayerDropout(p_attn, p, p), prenorm=cfg.prenorm,
                                 output_attentions=output_attentions, normed=normed,
                                 next_norm=None if next_norm is None else
-                                LayerNormWeights(next_norm.weight, next_norm.bias, cfg.layer_norm_eps))
+                                LayerNormWeights(next_norm.weight, next_norm.bias, cfg.layer_norm_eps), keep=keep)
 
 
 class BertEncoder(nn.Module):
@@ -156,10 +157,12 @@ class BertEncoder(nn.Module):
         return self._fp8_history
 
     def forward(self, ops, x, cu_seqlens, max_seqlen, output_hidden_states=False, output_attentions=False,
-                rows: Rows | None = None):
+                rows: Rows | None = None, keep: torch.Tensor | None = None):
         """``x``: ``(tokens, hidden)`` (with ``rows``: the real tokens, then the padding rows). Returns
         (last hidden, all hidden states or None, attentions or None); attention maps are
-        ``(batch, nh, seq, seq)`` at the tokens' positions with ``rows``, packed per sequence without."""
+        ``(batch, nh, seq, seq)`` at the tokens' positions with ``rows``, packed per sequence without.
+        ``keep``: the rows of the last hidden state wanted (int64 indices); the last layer computes only
+        those (``encoder_fn.layer``), and the last hidden state (and hidden state) is ``(len(keep), hidden)``."""
         hidden_states = [x] if output_hidden_states else None
         attentions = [] if output_attentions else None
         history = self.fp8_history(x.device)
@@ -168,9 +171,11 @@ class BertEncoder(nn.Module):
         after = [layer.attention.output.LayerNorm for layer in self.layer[1:]] + [self.final_layer_norm] \
             if self.config.prenorm else [None] * len(self.layer)
         normed = None
+        last = len(self.layer) - 1
         for i, (layer, next_norm) in enumerate(zip(self.layer, after)):
             fp8 = (history, FP8_ROWS_PER_LAYER * i) if history is not None else None
-            x, probs, normed = layer(ops, x, cu_seqlens, max_seqlen, output_attentions, rows, fp8, normed, next_norm)
+            x, probs, normed = layer(ops, x, cu_seqlens, max_seqlen, output_attentions, rows, fp8, normed, next_norm,
+                                     keep if i == last else None)
             if output_hidden_states:
                 hidden_states.append(x)
             if output_attentions:
@@ -325,11 +330,13 @@ class BertModel(BertPreTrainedModel):
 
     # ------------------------------------------------------------------ forward
     def encode_unpadded(self, input_ids, cu_seqlens, max_seqlen, token_type_ids=None, position_ids=None,
-                        output_hidden_states=False, output_attentions=False, rows: Rows | None = None):
+                        output_hidden_states=False, output_attentions=False, rows: Rows | None = None,
+                        keep: torch.Tensor | None = None):
         """Run the encoder on already-unpadded ``(tokens,)`` ids; returns ``(tokens, hidden)`` and extras.
 
         ``position_ids`` default to each token's index within its sequence. ``rows`` (from ``run``):
         the ids are the real tokens followed by padding rows, which attend to the real tokens only.
+        ``keep``: only these rows of the output are computed (``BertEncoder.forward``).
         """
         ops = self.ops
         if token_type_ids is None:
@@ -341,15 +348,17 @@ class BertModel(BertPreTrainedModel):
         # every dropout site's seed from one draw (the embeddings' and three a layer; ops/_common.seed_draws)
         with seed_draws(input_ids.device, 3 * self.config.num_hidden_layers + 1):
             x = self.embeddings(ops, input_ids, position_ids, token_type_ids)
-            return self.encoder(ops, x, cu_seqlens, max_seqlen, output_hidden_states, output_attentions, rows)
+            return self.encoder(ops, x, cu_seqlens, max_seqlen, output_hidden_states, output_attentions, rows, keep)
 
-    def encode_packed(self, packed: dict) -> torch.Tensor:
+    def encode_packed(self, packed: dict, keep: torch.Tensor | None = None) -> torch.Tensor:
         """The encoder on a static-shape batch (``data/static_batch.py``): ``input_ids``,
         ``token_type_ids``, ``position_ids`` (any shape, flattened), ``cu_seqlens`` and ``max_seqlen``
-        (an int). Returns ``(tokens, hidden)``; nothing is read back from the device."""
+        (an int). Returns ``(tokens, hidden)``, or with ``keep`` (int64 token indices) those rows alone
+        ``(len(keep), hidden)``: the heads pass the rows they read, so the last layer computes nothing else
+        (its attention reads every token). Nothing is read back from the device."""
         flat = lambda name: packed[name].reshape(-1)  # noqa: E731
         x, _, _ = self.encode_unpadded(flat("input_ids"), packed["cu_seqlens"], int(packed["max_seqlen"]),
-                                       flat("token_type_ids"), flat("position_ids"))
+                                       flat("token_type_ids"), flat("position_ids"), keep=keep)
         return x
 
     def run(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,

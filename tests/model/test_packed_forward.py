@@ -76,13 +76,16 @@ def loss_and_grads(model, kw):
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
-@pytest.mark.parametrize("cls,span", [(BertForPreTraining, 1), (BertForMaskedLM, 1), (BertForPreTraining, 2)])
-def test_packed_step_matches_padded_call(kernels, cls, span):
-    """span 2: bins of two rows, so sequences continue from one row into the next."""
+@pytest.mark.parametrize("cls,span,prenorm", [(BertForPreTraining, 1, False), (BertForMaskedLM, 1, False),
+                                              (BertForPreTraining, 2, False), (BertForPreTraining, 1, True)])
+def test_packed_step_matches_padded_call(kernels, cls, span, prenorm):
+    """span 2: bins of two rows, so sequences continue from one row into the next. The packed step's last
+    layer computes only the rows its heads read (``test_last_layer_computes_only_the_rows_the_heads_read``);
+    the padded call computes every token."""
     torch.manual_seed(0)
     cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                      intermediate_size=64, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
-                     attention_probs_dropout_prob=0.0, kernels=kernels)
+                     attention_probs_dropout_prob=0.0, kernels=kernels, prenorm=prenorm)
     model = cls(cfg).to(DEVICE).train()
     seqs = sequences(1, 9)
     kw_padded, kw_packed, n = both_layouts(seqs, per_row=3, rng=np.random.default_rng(2), span=span)
@@ -102,6 +105,43 @@ def test_packed_step_matches_padded_call(kernels, cls, span):
     assert g.keys() == g_ref.keys()
     for name in g_ref:
         torch.testing.assert_close(g[name], g_ref[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("head", ["pretraining", "mlm", "classification"])
+@pytest.mark.parametrize("prenorm", [False, True])
+def test_last_layer_computes_only_the_rows_the_heads_read(monkeypatch, head, prenorm):
+    """In the packed steps the last layer runs everything after its attention (here: the FFN) on the rows the
+    heads read alone, the MLM slots (then the NSP slots) or the pooled first tokens; the other layers on every
+    token."""
+    from fastbert import BertForSequenceClassification
+    from fastbert.data.static_batch import pack_examples
+    from fastbert.model import BertPreTrainedModel
+    from fastbert.ops import get_ops
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=SEQ, kernels="torch", prenorm=prenorm)
+    seqs = sequences(1, 9)
+    if head == "classification":
+        model = BertForSequenceClassification(cfg)
+        packed = {k: torch.as_tensor(v) for k, v in pack_examples(
+            [{"input_ids": ids.tolist(), "labels": label} for ids, _, label in seqs], SEQ, granularity=16).items()}
+        packed["max_seqlen"] = SEQ
+        read = len(seqs)
+    else:
+        model = (BertForPreTraining if head == "pretraining" else BertForMaskedLM)(cfg)
+        _, kw, _ = both_layouts(seqs, per_row=3, rng=np.random.default_rng(2))
+        packed = {k: v.cpu() if torch.is_tensor(v) else v for k, v in kw["packed"].items()}
+        read = len(packed["mlm_positions"]) + (len(packed["cls_positions"]) if head == "pretraining" else 0)
+        if head == "mlm":
+            packed.pop("next_sentence_label")
+    ops, rows = get_ops("torch"), []
+
+    def ffn(h, *args, **kwargs):
+        rows.append(h.shape[0])
+        return ops.ffn(h, *args, **kwargs)
+    monkeypatch.setattr(BertPreTrainedModel, "ops", property(lambda self: ops._replace(ffn=ffn)))
+    model.train()(packed=packed).loss.backward()
+    tokens = packed["input_ids"].numel()
+    assert read < tokens and rows == [tokens, tokens, read]
 
 
 def test_packed_step_reads_nothing_back(monkeypatch):

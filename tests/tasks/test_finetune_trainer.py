@@ -208,7 +208,10 @@ def test_finetune_steps_read_nothing_back_between_logs(monkeypatch):
 
 def test_finetune_fp8_precision_trains_with_the_fp8_gemms():
     """``--precision fp8``: the fine-tuning engine turns on BertConfig.fp8 (on the CPU the engine runs fp32 and
-    torch emulates the FP8 GEMMs), and the encoder's casts record their amaxes while the loss stays finite."""
+    torch emulates the FP8 GEMMs), and the encoder's casts record their amaxes while the loss stays finite. The
+    one layer is the last, which computes only the 4 pooled rows after attention: too few for FP8's GEMMs
+    (multiples of 16), so its output projection and FFN run in the engine's precision, and only the QKV
+    projection's casts (input, weight, gradient: history rows 0-2) record amaxes."""
     import numpy as np
     from fastbert.tasks.trainer import train
     model, engine, args, features = tiny_finetune("torch", "fp8", 8, log_every=2)
@@ -216,4 +219,4 @@ def test_finetune_fp8_precision_trains_with_the_fp8_gemms():
     result = train(engine, features, packed_rows, args)
     assert result.steps == 2 and all(np.isfinite(loss) for _, loss in result.losses)
     history = model.bert.encoder._fp8_history
-    assert history is not None and (history.amax.amax(1) > 0).all()  # every cast of the layer ran in FP8
+    assert history is not None and (history.amax[:3].amax(1) > 0).all() and not history.amax[3:].any()
