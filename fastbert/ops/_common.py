@@ -6,7 +6,7 @@ Triton is optional (``pip install triton``, or the ``fastbert[triton]`` extra): 
 the op files still import and their plain-PyTorch references (``kernels="torch"``) run; defining a
 kernel is a no-op, and launching one, or any other use, raises the one error that names the fix.
 
-Dropout everywhere uses Triton's counter-based Philox generator keyed by an integer seed and
+Dropout everywhere uses Triton's counter-based Philox generator (``PHILOX_ROUNDS``) keyed by an integer seed and
 the flat element offset ``row * n_cols + col`` (int64), so the backward regenerates the forward's
 mask instead of storing it, and ``dropout_mask`` reproduces it for tests. The seed reaches the
 kernels as a one-element int64 tensor on the device (``dropout_seed``): drawn there by torch's
@@ -310,6 +310,12 @@ def num_sms(device: torch.device) -> int:
 
 
 # ----------------------------------------------------------------------------- dropout
+# Philox4x32 with 7 rounds, the fewest that pass BigCrush (Salmon et al. 2011, "Parallel random numbers: as easy
+# as 1, 2, 3"), as FlashAttention draws its dropout; Triton's default is 10. Attention's forward at (32, 16, 512)
+# with p = 0.1 runs 258 -> 238 us on an H200 (benchmarks/RESULTS.md, twenty-eighth session).
+PHILOX_ROUNDS = tl.constexpr(7)
+
+
 def drop_threshold(dropout_p: float) -> int:
     """Dropout as an integer test on 16 random bits: drop when they fall below round(p * 2^16), so p is
     kept within 2^-17."""
@@ -331,7 +337,7 @@ def dropout_bits(seed, rows, col_start, n_cols, threshold, BLOCK_N: tl.constexpr
     """
     groups = col_start // 8 + tl.arange(0, BLOCK_N // 8)
     counters = rows.to(tl.int64)[:, None] * ((n_cols + 7) // 8) + groups[None, :]
-    r0, r1, r2, r3 = tl.randint4x(seed, counters)
+    r0, r1, r2, r3 = tl.randint4x(seed, counters, PHILOX_ROUNDS)
     thr = threshold.to(tl.uint32)
     bits = ((r0 & 0xFFFF) >= thr).to(tl.uint32)
     bits |= ((r0 >> 16) >= thr).to(tl.uint32) << 1
