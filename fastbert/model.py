@@ -162,7 +162,8 @@ class BertEncoder(nn.Module):
         (last hidden, all hidden states or None, attentions or None); attention maps are
         ``(batch, nh, seq, seq)`` at the tokens' positions with ``rows``, packed per sequence without.
         ``keep``: the rows of the last hidden state wanted (int64 indices); the last layer computes only
-        those (``encoder_fn.layer``), and the last hidden state (and hidden state) is ``(len(keep), hidden)``."""
+        those (``encoder_fn.layer``), so the last hidden state (and the last of the hidden states) is
+        ``(len(keep), hidden)``."""
         hidden_states = [x] if output_hidden_states else None
         attentions = [] if output_attentions else None
         history = self.fp8_history(x.device)
