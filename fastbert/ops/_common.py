@@ -6,9 +6,10 @@ Triton is optional (``pip install triton``, or the ``fastbert[triton]`` extra): 
 the op files still import and their plain-PyTorch references (``kernels="torch"``) run; defining a
 kernel is a no-op, and launching one, or any other use, raises the one error that names the fix.
 
-Dropout everywhere uses Triton's counter-based Philox generator (``PHILOX_ROUNDS``) keyed by an integer seed and
-the flat element offset ``row * n_cols + col`` (int64), so the backward regenerates the forward's
-mask instead of storing it, and ``dropout_mask`` reproduces it for tests. The seed reaches the
+Dropout everywhere uses Triton's counter-based Philox generator (``PHILOX_ROUNDS`` rounds) keyed by an
+integer seed and a counter per row and group of eight columns (``dropout_bits``), so a backward can draw the
+forward's mask again (the row-wise ops) or read the bits the forward stored (attention, Pre-LN's LayerNorm),
+and ``dropout_mask`` reproduces it for tests. The seed reaches the
 kernels as a one-element int64 tensor on the device (``dropout_seed``): drawn there by torch's
 generator, it needs no host round trip, and a CUDA graph replay draws a fresh one.
 """
