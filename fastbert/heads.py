@@ -190,11 +190,11 @@ class BertForNextSentencePrediction(BertPreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
                 output_attentions=False, output_hidden_states=False, return_dict=True, **unused):
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, output_attentions,
-                        output_hidden_states, **unused)
-        logits = self.cls.seq_relationship(out.pooler_output)  # (B, 2)
+        pooled, hidden, attn = self.bert.pooled(input_ids, attention_mask, token_type_ids, position_ids,
+                                                output_attentions, output_hidden_states, **unused)
+        logits = self.cls.seq_relationship(pooled)  # (B, 2)
         loss = F.cross_entropy(logits.float(), labels.view(-1)) if labels is not None else None
-        res = ModelOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
+        res = ModelOutput(loss=loss, logits=logits, hidden_states=hidden, attentions=attn)
         return res if return_dict else res.to_tuple()
 
 
@@ -220,13 +220,13 @@ class BertForSequenceClassification(BertPreTrainedModel):
                 output_attentions=False, output_hidden_states=False, return_dict=True, packed=None, **unused):
         if packed is not None:
             return self._forward_packed(packed, return_dict)
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, output_attentions,
-                        output_hidden_states, **unused)
-        logits = self.classifier(self.dropout(out.pooler_output))
+        pooled, hidden, attn = self.bert.pooled(input_ids, attention_mask, token_type_ids, position_ids,
+                                                output_attentions, output_hidden_states, **unused)
+        logits = self.classifier(self.dropout(pooled))
         loss = None
         if labels is not None:
             loss = sequence_classification_loss(self.config, logits, labels)
-        res = ModelOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
+        res = ModelOutput(loss=loss, logits=logits, hidden_states=hidden, attentions=attn)
         return res if return_dict else res.to_tuple()
 
     def _forward_packed(self, packed: dict, return_dict: bool = True):
@@ -337,11 +337,11 @@ class BertForMultipleChoice(BertPreTrainedModel):
                 output_attentions=False, output_hidden_states=False, return_dict=True, **unused):
         num_choices = input_ids.shape[1]
         flat = lambda t: None if t is None else t.reshape(-1, t.shape[-1])  # noqa: E731  (B*C, S)
-        out = self.bert(flat(input_ids), flat(attention_mask), flat(token_type_ids), flat(position_ids),
-                        output_attentions, output_hidden_states, **unused)
-        logits = self.classifier(self.dropout(out.pooler_output)).view(-1, num_choices)  # (B, C)
+        pooled, hidden, attn = self.bert.pooled(flat(input_ids), flat(attention_mask), flat(token_type_ids),
+                                                flat(position_ids), output_attentions, output_hidden_states, **unused)
+        logits = self.classifier(self.dropout(pooled)).view(-1, num_choices)  # (B, C)
         loss = F.cross_entropy(logits.float(), labels.view(-1)) if labels is not None else None
-        res = ModelOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
+        res = ModelOutput(loss=loss, logits=logits, hidden_states=hidden, attentions=attn)
         return res if return_dict else res.to_tuple()
 
 

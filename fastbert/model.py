@@ -23,7 +23,7 @@ from fastbert.ops import get_ops
 from fastbert.ops._common import seed_draws
 from fastbert.ops.fp8 import AmaxHistory
 from fastbert.padding import pad, unpad_mask
-from fastbert.padding_rows import Rows, padding_need_counts, pooled_position, select_rows
+from fastbert.padding_rows import Rows, padding_need_counts, pooled_position, position_rows, select_rows
 
 
 class ModelOutput(OrderedDict):
@@ -363,10 +363,12 @@ class BertModel(BertPreTrainedModel):
         return x
 
     def run(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
-            output_attentions=False, output_hidden_states=False, need=None):
+            output_attentions=False, output_hidden_states=False, need=None, first_only=False):
         """Check, unpad, encode. ``need``: ``(batch, seq)`` bool of the positions a result reads (HF
         computes masked positions too; those in ``need`` get padding rows). Returns ``(rows, hidden)``
-        (the real tokens, then the padding rows), the Rows, hidden states and attention maps (or None)."""
+        (the real tokens, then the padding rows), the Rows, hidden states and attention maps (or None).
+        ``first_only`` (``need`` holding every position 0): the last layer computes each batch row's position 0
+        alone (``BertEncoder.forward``'s ``keep``), so the first result is ``(batch, hidden)`` in batch order."""
         rows = self._check_and_unpad(input_ids, attention_mask, token_type_ids, position_ids, need)
         index = rows.placed.indices
         flat = lambda t: None if t is None else t.reshape(-1).index_select(0, index)  # noqa: E731
@@ -374,8 +376,22 @@ class BertModel(BertPreTrainedModel):
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x, hidden, attn = self.encode_unpadded(
             flat(input_ids), rows.real.cu_seqlens, rows.real.max_seqlen, flat(token_type_ids), flat(position_ids),
-            output_hidden_states, output_attentions, rows)
+            output_hidden_states, output_attentions, rows, position_rows(rows, 0) if first_only else None)
         return x, rows, hidden, (tuple(attn) if attn is not None else None)
+
+    def pooled(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+               output_attentions=False, output_hidden_states=False, **unused):
+        """What the pooled heads (sequence classification, multiple choice, next sentence) read: ``(pooler_output,
+        hidden_states, attentions)``, HF's values. Unless hidden states are asked for, the last layer computes each
+        row's position 0 alone (HF pools it, masked or not): everything after its attention runs on one row a
+        sequence (``run(..., first_only=True)``)."""
+        if output_hidden_states:
+            out = self(input_ids, attention_mask, token_type_ids, position_ids, output_attentions, True, **unused)
+            return out.pooler_output, out.hidden_states, out.attentions
+        _reject_unsupported(unused)
+        x, _, _, attn = self.run(input_ids, attention_mask, token_type_ids, position_ids, output_attentions, False,
+                                 pooled_position(input_ids), first_only=True)
+        return self.pooler(x), None, attn
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 output_attentions=False, output_hidden_states=False, return_dict=True, **unused):

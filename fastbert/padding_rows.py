@@ -152,14 +152,20 @@ def attention_maps(q: torch.Tensor, k: torch.Tensor, rows: Rows, softmax_scale: 
     return probs * computed[:, None, :, None].to(probs.dtype)
 
 
+def position_rows(rows: Rows, position: int = 0) -> torch.Tensor:
+    """``(batch,)`` int64: where each batch row's computed row at ``position`` lies among the computed rows (the
+    real tokens, then the padding rows), or the number of computed rows where none was."""
+    placed = rows.placed
+    n = placed.indices.numel()
+    where = torch.full((placed.batch * placed.seqlen,), n, dtype=torch.long, device=placed.indices.device)
+    where[placed.indices] = torch.arange(n, device=placed.indices.device)
+    return where.view(placed.batch, placed.seqlen)[:, position]
+
+
 def at_position(x: torch.Tensor, rows: Rows, position: int = 0) -> torch.Tensor:
     """``(batch, *rest)``: each batch row's computed row at ``position`` (0 where none was computed)."""
-    placed = rows.placed
-    where = torch.full((placed.batch * placed.seqlen,), x.shape[0], dtype=torch.long, device=x.device)
-    where[placed.indices] = torch.arange(x.shape[0], device=x.device)
-    pick = where.view(placed.batch, placed.seqlen)[:, position]       # (B,), x.shape[0] = none
     padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
-    return padded.index_select(0, pick)
+    return padded.index_select(0, position_rows(rows, position))
 
 
 def pooled_position(ids: torch.Tensor | None) -> torch.Tensor | None:

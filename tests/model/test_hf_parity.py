@@ -157,6 +157,44 @@ def test_multiple_choice_and_masked_lm():
                                hf(input_ids=ids, attention_mask=mask).logits[m], atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("head", ["classification", "multiple_choice", "next_sentence"])
+def test_pooled_heads_last_layer_computes_position_0_alone(monkeypatch, head):
+    """HF-style padded calls of the pooled heads: the last layer runs everything after its attention (here: the FFN)
+    on each sequence's position 0 alone (a padding row where that position is masked: left padding), the other
+    layers on every computed row; logits and every gradient are still HF's. With hidden states asked for (HF
+    returns every position's) the last layer computes every row, and the logits are the same."""
+    from fastbert.model import BertPreTrainedModel
+    from fastbert.ops import get_ops
+    classes = {"classification": "BertForSequenceClassification", "multiple_choice": "BertForMultipleChoice",
+               "next_sentence": "BertForNextSentencePrediction"}[head]
+    hf, fb = pair(getattr(transformers, classes), getattr(fastbert, classes))
+    ids, mask, types = batch(seed=9)
+    mask[1] = mask[1].flip(0)  # left padding: position 0 masked, HF pools it all the same
+    ids, types = ids.clamp(min=1) * mask, types * mask
+    computed = int(mask.sum()) + int((mask[:, 0] == 0).sum())
+    labels = torch.tensor([0, 2, 1, 1]) if head == "classification" else torch.tensor([1, 0, 0, 1])
+    if head == "multiple_choice":
+        ids, mask, types = (t.view(2, 2, -1) for t in (ids, mask, types))
+        labels = torch.tensor([1, 0])
+    ops, rows = get_ops("torch"), []
+
+    def ffn(h, *args, **kwargs):
+        rows.append(h.shape[0])
+        return ops.ffn(h, *args, **kwargs)
+    monkeypatch.setattr(BertPreTrainedModel, "ops", property(lambda self: ops._replace(ffn=ffn)))
+    o_h = hf(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels)
+    o_f = fb(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels)
+    assert rows == [computed, 4]  # 2 layers; 4 sequences (2 x 2 choices)
+    torch.testing.assert_close(o_f.logits, o_h.logits, atol=ATOL, rtol=0)
+    o_h.loss.backward()
+    o_f.loss.backward()
+    assert_grads_equal(hf, fb)
+    rows.clear()
+    o_all = fb(input_ids=ids, attention_mask=mask, token_type_ids=types, output_hidden_states=True)
+    assert rows == [computed, computed] and len(o_all.hidden_states) == 3
+    torch.testing.assert_close(o_all.logits, o_f.logits, atol=1e-6, rtol=0)
+
+
 def test_state_dict_conversion_round_trip():
     torch.manual_seed(0)
     hf = transformers.BertForPreTraining(hf_config())

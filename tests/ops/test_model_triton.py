@@ -111,6 +111,27 @@ def test_pretraining_loss_triton_equals_torch():
     compare_grads(g_ref, g_fused, TOL[torch.float32])
 
 
+def test_sequence_classification_triton_equals_torch():
+    """The pooled heads' padded calls, whose last layer computes each sequence's position 0 alone (a padding row
+    where it is masked: left padding here), on the fused kernels: logits, loss and every gradient equal torch's."""
+    from fastbert.heads import BertForSequenceClassification
+    ref, fused = twin_models(BertForSequenceClassification, torch.float32, num_labels=3)
+    batch, _, _ = make_batch(ref.config.vocab_size)
+    mask = batch["attention_mask"]
+    mask[1] = mask[1].flip(0)
+    batch["input_ids"] = batch["input_ids"].clamp(min=1) * mask
+    batch["token_type_ids"] = batch["token_type_ids"] * mask
+    labels = torch.tensor([2, 0, 1], device=DEVICE)
+    results = []
+    for model in (ref, fused):
+        out = model(**batch, labels=labels)
+        results.append((out, param_grads(model, out.loss)))
+    (o_ref, g_ref), (o_fused, g_fused) = results
+    for key in ("loss", "logits"):
+        torch.testing.assert_close(o_fused[key], o_ref[key], **TOL[torch.float32])
+    compare_grads(g_ref, g_fused, TOL[torch.float32])
+
+
 def test_training_mode_dropout_is_seeded_by_torch():
     """In train mode the fused path draws its dropout seeds from torch's CPU generator: the same
     torch.manual_seed gives the same loss, another gives a different one, and eval differs."""
