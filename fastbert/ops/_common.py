@@ -34,6 +34,7 @@ os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
 import torch  # noqa: E402
 
 from fastbert.ops import weight_casts  # noqa: E402
+from fastbert.ops.launch import fast_launch  # noqa: E402,F401 - the op files take it from here
 
 TRITON_MISSING = ("fastbert's fused kernels (kernels='triton') need the triton package: pip install triton "
                   "(or pip install 'fastbert[triton]'); or use kernels='torch', which runs anywhere")
@@ -228,7 +229,7 @@ def check_hidden(n: int, what: str):
 # ----------------------------------------------------------------------------- launch settings
 def _row_block_n(n_cols: int) -> int:
     """BLOCK_N of the row kernels: whole rows, >= 8 columns (dropout draws 8 columns per Philox call)."""
-    return max(8, triton.next_power_of_2(n_cols))
+    return max(8, next_power_of_2(n_cols))
 
 
 def row_block(n_cols: int):
@@ -256,12 +257,13 @@ def bwd_row_partition(m: int, n_cols: int, device: torch.device, elems_per_progr
     block_m = max(1, min(elems_per_program // block_n, 8))
     num_warps = max(1, min(block_m * block_n // 256, 16))
     programs_per_sm = max(1, warps_per_sm // num_warps)
-    programs = max(1, min(triton.cdiv(m, block_m), num_sms(device) * programs_per_sm))
-    rows_per_program = triton.cdiv(triton.cdiv(max(m, 1), programs), block_m) * block_m
-    programs = max(1, triton.cdiv(m, rows_per_program))
+    programs = max(1, min(cdiv(m, block_m), num_sms(device) * programs_per_sm))
+    rows_per_program = cdiv(cdiv(max(m, 1), programs), block_m) * block_m
+    programs = max(1, cdiv(m, rows_per_program))
     return block_m, block_n, num_warps, programs, rows_per_program
 
 
+@fast_launch
 @triton.jit
 def _sum_partials_kernel(PART, OUT0, OUT1, OUT2, P, N, K: tl.constexpr, BLOCK_P: tl.constexpr,
                          BLOCK_N: tl.constexpr):
@@ -291,8 +293,8 @@ def sum_partials(part: torch.Tensor, dtypes) -> list:
     programs, k, n = part.shape
     outs = [torch.empty((n,), dtype=dt, device=part.device) for dt in dtypes]
     if n > 0:
-        block_n = min(triton.next_power_of_2(n), 32)  # narrow strips: enough programs for a few-us kernel
-        _sum_partials_kernel[(triton.cdiv(n, block_n), k)](
+        block_n = min(next_power_of_2(n), 32)  # narrow strips: enough programs for a few-us kernel
+        _sum_partials_kernel[(cdiv(n, block_n), k)](
             part, outs[0], outs[min(1, k - 1)], outs[k - 1], programs, n, K=k, BLOCK_P=128, BLOCK_N=block_n,
             num_warps=4)
     return outs
@@ -304,9 +306,26 @@ def column_sums(part: torch.Tensor) -> torch.Tensor:
     return sum_partials(part.view(part.shape[0], 1, part.shape[1]), [torch.float32])[0]
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host code: ``triton.cdiv`` is a constexpr function there (~2.5 us a call, a few hundred
+    calls an eager BERT-base step; ``fastbert.ops.launch`` says why host time counts)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` for host code (``cdiv`` says why): the least power of 2 >= n, 0 for 0."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+_SMS: dict = {}  # CUDA device index -> SM count
+
+
 def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in _SMS:
+            _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        return _SMS[index]
     return 2  # interpreter: few programs run fastest
 
 
@@ -368,6 +387,7 @@ def dropout_keep(seed, rows, col_start, n_cols, threshold, BLOCK_N: tl.constexpr
     return keep_from_bits(dropout_bits(seed, rows, col_start, n_cols, threshold, BLOCK_N))
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["threshold"])
 def _dropout_mask_kernel(OUT, M, N, threshold, SEED, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -383,7 +403,7 @@ def dropout_mask(seed, n_rows: int, n_cols: int, dropout_p: float, device) -> to
     seed tensor) and ``dropout_p``."""
     out = torch.empty((n_rows, n_cols), dtype=torch.int8, device=device)
     check_triton_device(out)
-    grid = (triton.cdiv(n_rows, 16), triton.cdiv(n_cols, 256))
+    grid = (cdiv(n_rows, 16), cdiv(n_cols, 256))
     _dropout_mask_kernel[grid](out, n_rows, n_cols, drop_threshold(dropout_p), dropout_seed(1.0, seed, device),
                                BLOCK_M=16, BLOCK_N=256)
     return out.bool()

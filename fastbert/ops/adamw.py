@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from fastbert.ops._common import check_triton_device, tl, triton
+from fastbert.ops._common import check_triton_device, fast_launch, tl, triton
 
 CHUNK = 8192     # elements a program (4 blocks): the table lookups are paid once a chunk
 BLOCK = 2048
@@ -69,6 +69,7 @@ def _table_ptr(BASE, OFFS, row, n_tensors, t, ALIGN: tl.constexpr):
     return BASE + off
 
 
+@fast_launch
 @triton.jit
 def _adamw_kernel(F32, C16, OFFS, NUMELS, CHUNK_T, CHUNK_START, FOUND_INF, n_tensors, lr, beta1, beta2,
                   one_minus_beta1, one_minus_beta2, log2_beta1, log2_beta2, eps, decay, HAS_FOUND_INF: tl.constexpr,

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from fastbert.ops._common import (
-    INTERPRET, autocast_dtype, check_dropout_p, check_triton_device, column_sums, drop_threshold, dropout_bits,
-    dropout_seed, keep_from_bits, num_sms, register_op, tl, triton)
+    INTERPRET, autocast_dtype, cdiv, check_dropout_p, check_triton_device, column_sums, drop_threshold, dropout_bits,
+    dropout_seed, fast_launch, keep_from_bits, next_power_of_2, num_sms, register_op, tl, triton)
 from fastbert.ops.fp8 import E5M2, FP8_MAX, HISTORY, _fp8_codes, finite_amax_of, history_scale, transpose_codes
 from fastbert.padding import unpad_by_seqlens, pad, unpad
 
@@ -201,6 +201,7 @@ def _store_part(PARTS, part_row, stride_part, col0, sums, offs_d, mask_d):
     tl.store(PARTS + part_row.to(tl.int64) * stride_part + col0 + offs_d, sums, mask=mask_d)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=_PER_BATCH + ["max_seqlen", "threshold"])
 def _fwd_kernel(
     Q, K, V, O, LSE, MASK, CU_SEQLENS,
@@ -271,6 +272,7 @@ def _fwd_kernel(
     tl.store(LSE + head * stride_lse_h + start + offs_m, m_i + tl.math.log2(l_safe), mask=mask_m)
 
 
+@fast_launch
 @triton.jit
 def _short_lists_kernel(CU_SEQLENS, LISTS, COUNTS, batch, N_BUCKETS: tl.constexpr, SMALLEST: tl.constexpr,
                         CHUNK: tl.constexpr):
@@ -295,6 +297,7 @@ def _short_lists_kernel(CU_SEQLENS, LISTS, COUNTS, batch, N_BUCKETS: tl.constexp
         tl.store(COUNTS + j, count)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=_PER_BATCH)
 def _bwd_short_kernel(
     Q, K, V, O, DO, LSE, MASK, DQ, DK, DV, LIST, COUNT,
@@ -365,6 +368,7 @@ def _bwd_short_kernel(
         tl.atomic_max(HIST + cur, amax)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=_PER_BATCH)
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, MASK, DK, DV, CU_SEQLENS,
@@ -438,6 +442,7 @@ def _bwd_dkdv_kernel(
         tl.atomic_max(HIST + cur, tl.maximum(dk_amax, dv_amax))
 
 
+@fast_launch
 @triton.jit(do_not_specialize=_PER_BATCH)
 def _bwd_dq_kernel(
     Q, K, V, O, DO, LSE, DELTA, MASK, DQ, CU_SEQLENS,
@@ -555,7 +560,7 @@ def _launch_config(kind: str, head_dim: int, max_seqlen: int, device: torch.devi
         key = ("fwd_dropout", *key[1:])
     block_m, block_n, warps, stages = _GPU_CONFIGS.get(key, _GPU_CONFIGS[(kind, key[1], "long")])
     # Short sequences: shrink the query / key block so programs are not mostly masked.
-    cap = max(16, triton.next_power_of_2(max_seqlen))
+    cap = max(16, next_power_of_2(max_seqlen))
     block_m, block_n = min(block_m, cap), min(block_n, cap)
     if kind == "fwd":  # the forward stores whole 32-bit words of the dropout mask: 32 or 64 keys a tile
         block_n = min(max(block_n, 32), 64)
@@ -565,7 +570,7 @@ def _launch_config(kind: str, head_dim: int, max_seqlen: int, device: torch.devi
 def _short_bwd_blocks(head_dim: int, max_seqlen: int):
     """The BLOCK of each fused short-backward launch (lengths in (BLOCK/2, BLOCK], the smallest from 1),
     or None for the two-kernel path."""
-    block = max(16, triton.next_power_of_2(max_seqlen))
+    block = max(16, next_power_of_2(max_seqlen))
     limit = _SHORT_BWD_MAX if head_dim <= 64 else min(_SHORT_BWD_MAX, 64)
     if block > limit:
         return None
@@ -607,7 +612,7 @@ def _dropout_args(dropout_p: float):
 
 def _kernel_constants(q: torch.Tensor, dropout_p: float) -> dict:
     head_dim = q.shape[-1]
-    return dict(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+    return dict(HEAD_DIM=head_dim, BLOCK_D=max(16, next_power_of_2(head_dim)),
                 HAS_DROPOUT=dropout_p > 0.0,
                 # fp32 inputs (the interpreter, or fp32 on GPU) keep full precision; 16-bit ignore it.
                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
@@ -632,7 +637,7 @@ def varlen_attention_forward(q, k, v, cu_seqlens, max_seqlen: int, dropout_p: fl
     if total == 0 or batch == 0 or max_seqlen == 0:
         return out, lse, mask
     block_m, block_n, warps, stages = _launch_config("fwd", head_dim, max_seqlen, q.device, dropout_p > 0.0)
-    grid = (triton.cdiv(max_seqlen, block_m), batch, nheads)
+    grid = (cdiv(max_seqlen, block_m), batch, nheads)
     _fwd_kernel[grid](
         q, k, v, out, lse, mask, cu_seqlens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
@@ -673,7 +678,7 @@ def _backward_packed(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen: int,
     blocks = _short_bwd_blocks(head_dim, max_seqlen)
     extras = None
     if fp8 or colsums:  # partial-sum rows: a bucket's (short path), else a program's along the sequence
-        tiles = len(blocks) if blocks is not None else triton.cdiv(max_seqlen, min(
+        tiles = len(blocks) if blocks is not None else cdiv(max_seqlen, min(
             _launch_config("dq", head_dim, max_seqlen, q.device)[0],
             _launch_config("dkdv", head_dim, max_seqlen, q.device)[1]))
         extras = _Extras(fp8, dqkv, tiles * batch)
@@ -739,13 +744,13 @@ def _launch_backward(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen, drop
     delta = torch.empty((nheads, total), dtype=torch.float32, device=q.device)
 
     block_m, block_n, warps, stages = _launch_config("dq", head_dim, max_seqlen, q.device)
-    _bwd_dq_kernel[(triton.cdiv(max_seqlen, block_m), batch, nheads)](  # writes delta: runs first
+    _bwd_dq_kernel[(cdiv(max_seqlen, block_m), batch, nheads)](  # writes delta: runs first
         q, k, v, out, dout, lse, delta, mask, dq, cu_seqlens, *strides_in[:8], out.stride(0), out.stride(1),
         dq.stride(0), dq.stride(1), *common, *fp8_kv[:2], *fp8_kv[3:],
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **consts)
 
     block_m, block_n, warps, stages = _launch_config("dkdv", head_dim, max_seqlen, q.device)
-    _bwd_dkdv_kernel[(triton.cdiv(max_seqlen, block_n), batch, nheads)](
+    _bwd_dkdv_kernel[(cdiv(max_seqlen, block_n), batch, nheads)](
         q, k, v, dout, lse, delta, mask, dk, dv, cu_seqlens, *strides_in[:8], *strides_kv, *common,
         *fp8_kv, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **consts)
 

@@ -31,8 +31,8 @@ def bert_embeddings_ref(input_ids, position_ids, token_type_ids, word_weight, po
 # per-type partial sums in registers instead.
 
 from fastbert.ops._common import (  # noqa: E402
-    bwd_row_partition, check_dropout_p, check_hidden, check_triton_device, drop_threshold, dropout_keep,
-    dropout_seed, register_op, row_block, tl, triton)
+    bwd_row_partition, cdiv, check_dropout_p, check_hidden, check_triton_device, drop_threshold, dropout_keep,
+    dropout_seed, fast_launch, next_power_of_2, register_op, row_block, tl, triton)
 from fastbert.ops.layer_norm import layer_norm_bwd_rows, layer_norm_stats  # noqa: E402
 
 # Token-type tables up to this many rows are reduced in registers; larger ones use atomics.
@@ -52,6 +52,7 @@ def _gather_sum(IDS_W, IDS_P, IDS_T, WORD, POS, TYPE, rows, cols, row_mask, mask
     return s, wid, pid, tid
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["M", "threshold"])
 def _emb_fwd_kernel(IDS_W, IDS_P, IDS_T, WORD, POS, TYPE, LN_W, LN_B, Y, MEAN, RSTD,
                     M, N, stride_word, stride_pos, stride_type, eps, threshold, scale, SEED,
@@ -74,6 +75,7 @@ def _emb_fwd_kernel(IDS_W, IDS_P, IDS_T, WORD, POS, TYPE, LN_W, LN_B, Y, MEAN, R
     tl.store(Y + rows.to(tl.int64)[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["M", "rows_per_program", "threshold"])
 def _emb_bwd_kernel(DY, IDS_W, IDS_P, IDS_T, WORD, POS, TYPE, LN_W, MEAN, RSTD,
                     DWORD, DPOS, DTYPE, DTYPE_PART, DLNW_PART, DLNB_PART,
@@ -133,7 +135,7 @@ def embeddings_fwd(input_ids, position_ids, token_type_ids, word_weight, positio
     rstd = torch.empty((m,), dtype=torch.float32, device=word_weight.device)
     if m > 0:
         block_m, block_n, num_warps = row_block(n)
-        _emb_fwd_kernel[(triton.cdiv(m, block_m),)](
+        _emb_fwd_kernel[(cdiv(m, block_m),)](
             input_ids, position_ids, token_type_ids, word_weight, position_weight, type_weight, ln_weight,
             ln_bias, y, mean, rstd, m, n, word_weight.stride(0), position_weight.stride(0), type_weight.stride(0),
             eps, drop_threshold(dropout_p), 1.0 / (1.0 - dropout_p), seed,
@@ -151,7 +153,7 @@ def embeddings_bwd(dy, input_ids, position_ids, token_type_ids, word_weight, pos
     dev = word_weight.device
     n_types = type_weight.shape[0]
     types_in_regs = n_types <= _MAX_TYPES_IN_REGS
-    block_t = triton.next_power_of_2(n_types) if types_in_regs else 1
+    block_t = next_power_of_2(n_types) if types_in_regs else 1
     dword = torch.zeros(word_weight.shape, dtype=torch.float32, device=dev)
     dpos = torch.zeros(position_weight.shape, dtype=torch.float32, device=dev)
     dtype_full = torch.zeros(type_weight.shape if not types_in_regs else (0,), dtype=torch.float32, device=dev)

@@ -44,7 +44,8 @@ def ffn_ref(x, w1, b1, w2, approximate="none", residual=False):
 # (`benchmarks/bench_ops.py --ops ffn`, benchmarks/RESULTS.md), so it is gone.
 from fastbert.ops import cublaslt, gemm_sm90, grad_accum  # noqa: E402
 from fastbert.ops._common import (  # noqa: E402
-    autocast_dtype, autocast_inputs, check_triton_device, column_sums, num_sms, register_op, tl, triton)
+    autocast_dtype, autocast_inputs, cdiv, check_triton_device, column_sums, fast_launch, next_power_of_2, num_sms,
+    register_op, tl, triton)
 from fastbert.ops.linear import bias_grad, linear_grads, wgrad  # noqa: E402
 
 @triton.jit
@@ -107,6 +108,7 @@ def gelu_grad(z, APPROX_TANH: tl.constexpr, ERF: tl.constexpr):
         return cdf + z * pdf
 
 
+@fast_launch
 @triton.jit
 def _gelu_fwd_kernel(Z, Y, numel, APPROX_TANH: tl.constexpr, BLOCK: tl.constexpr):
     """y = gelu(z) over a flat block (Y may be Z: in place)."""
@@ -116,6 +118,7 @@ def _gelu_fwd_kernel(Z, Y, numel, APPROX_TANH: tl.constexpr, BLOCK: tl.constexpr
     tl.store(Y + offs, gelu(z, APPROX_TANH, 0).to(Y.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["M", "rows_per_program"])
 def _gelu_bwd_kernel(DY, Z, DZ, DB_PART, M, N, rows_per_program, stride_dy, stride_z, stride_dz,
                      APPROX_TANH: tl.constexpr, GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -181,7 +184,7 @@ def linear_bias_gelu_fwd(x, weight, bias, approximate, store_pre):
     z = F.linear(x2, weight, bias)  # (M, N), cuBLAS with the bias in its epilogue
     y = torch.empty_like(z) if store_pre else z
     if z.numel() > 0:
-        _gelu_fwd_kernel[(triton.cdiv(z.numel(), _GELU_BLOCK),)](
+        _gelu_fwd_kernel[(cdiv(z.numel(), _GELU_BLOCK),)](
             z, y, z.numel(), APPROX_TANH=approximate == "tanh", BLOCK=_GELU_BLOCK, num_warps=8)
     return y.view(out_shape), z.view(out_shape) if store_pre else z.new_empty((0,))
 
@@ -194,13 +197,13 @@ def gelu_bwd(dy, z, approximate, grad=False):
     z2 = z.reshape(-1, n)
     m = z2.shape[0]
     dz = torch.empty((m, n), dtype=z.dtype, device=z.device)
-    block_n = min(triton.next_power_of_2(max(n, 1)), 256)
+    block_n = min(next_power_of_2(max(n, 1)), 256)
     block_m = 16
-    grid_n = triton.cdiv(n, block_n)
+    grid_n = cdiv(n, block_n)
     # Enough row strips to fill the GPU (several programs per SM), each a multiple of BLOCK_M rows.
-    strips = max(1, min(triton.cdiv(m, block_m), triton.cdiv(num_sms(z.device) * 8, max(grid_n, 1))))
-    rows_per_program = triton.cdiv(triton.cdiv(max(m, 1), strips), block_m) * block_m
-    strips = max(1, triton.cdiv(m, rows_per_program))
+    strips = max(1, min(cdiv(m, block_m), cdiv(num_sms(z.device) * 8, max(grid_n, 1))))
+    rows_per_program = cdiv(cdiv(max(m, 1), strips), block_m) * block_m
+    strips = max(1, cdiv(m, rows_per_program))
     db_part = torch.zeros((strips, n), dtype=torch.float32, device=z.device)
     if m > 0 and n > 0:
         _gelu_bwd_kernel[(grid_n, strips)](

@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from fastbert.ops import cublaslt, grad_accum
-from fastbert.ops._common import HAS_TRITON, INTERPRET, autocast_dtype, column_sums, tl, triton
+from fastbert.ops._common import (
+    HAS_TRITON, INTERPRET, autocast_dtype, cdiv, column_sums, fast_launch, tl, triton)
 from fastbert.ops.ffn import gelu, gelu_grad, gelu_grad_ref
 
 HISTORY = 16
@@ -158,6 +159,7 @@ def _store_words_t(YT, codes, cols, ci, M, N, BLOCK_M: tl.constexpr):
     tl.store(YT + ci[:, None] * words_m + wi[None, :], words, mask=(cols[:, None] < N) & (wi[None, :] < words_m))
 
 
+@fast_launch
 @triton.jit
 def _transpose_codes_kernel(X, YT, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """YT = the transpose of the fp8 codes X ``(M, N)`` (bytes), as ``_store_words_t``'s words."""
@@ -168,6 +170,7 @@ def _transpose_codes_kernel(X, YT, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
     _store_words_t(YT, codes, cols, cols.to(tl.int64), M, N, BLOCK_M)
 
 
+@fast_launch
 @triton.jit
 def _cast_fp8_kernel(X, Z, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm, stride_zm,
                      FP8_MAX: tl.constexpr, E5M2: tl.constexpr, HW: tl.constexpr, HISTORY_LEN: tl.constexpr,
@@ -223,7 +226,7 @@ def cast_fp8_triton(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torc
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     pre = 0 if gelu is None else (1 if z is None else 2)
     block_m, block_n, warps = tile or ((32, 32, 4) if INTERPRET else CAST_TILES[pre])
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    grid = (cdiv(m, block_m), cdiv(n, block_n))
     parts = torch.empty((grid[0], n) if colsum else (0,), dtype=torch.float32, device=x.device)
     wide = m4 * max(n, x.stride(0), z.stride(0) if z is not None else 0) >= _WIDE
     _cast_fp8_kernel[grid](x, z if z is not None else x, x8.view(torch.uint8), x8t.view(torch.int32),
@@ -244,7 +247,7 @@ def transpose_codes(x8: torch.Tensor, tile: tuple = (64, 64, 4)) -> torch.Tensor
     out = torch.empty((n, m4), dtype=x8.dtype, device=x8.device)
     block_m, block_n, warps = (32, 32, 1) if INTERPRET else tile
     if m and n:
-        _transpose_codes_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        _transpose_codes_kernel[(cdiv(m, block_m), cdiv(n, block_n))](
             x8.contiguous().view(torch.uint8), out.view(torch.int32), m, n, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=warps)
     return out if m4 == m else out[:, :m].contiguous()

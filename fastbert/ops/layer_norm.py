@@ -48,8 +48,8 @@ def dropout_add_layer_norm_ref(x, residual, weight, bias, eps, x_bias=None, drop
 #   benchmarks/RESULTS.md), and x need not be kept. Post-LN would have to store s for it: no gain there.
 
 from fastbert.ops._common import (  # noqa: E402
-    bwd_row_partition, check_dropout_p, check_hidden, check_triton_device, drop_threshold, dropout_bits,
-    dropout_seed, keep_from_bits, register_op, row_block, sum_partials, tl, triton)
+    bwd_row_partition, cdiv, check_dropout_p, check_hidden, check_triton_device, drop_threshold, dropout_bits,
+    dropout_seed, fast_launch, keep_from_bits, register_op, row_block, sum_partials, tl, triton)
 
 
 @triton.jit
@@ -119,6 +119,7 @@ def layer_norm_bwd_rows(s, dy, w, mean, rstd, mask, N):
     return (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None], xhat
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["M", "threshold"])
 def _ln_fwd_kernel(X, RES, XB, W, B, Y, S, BITS, MEAN, RSTD,
                    M, N, stride_x, stride_res, stride_y, stride_s, eps, threshold, scale, SEED,
@@ -181,6 +182,7 @@ def _bwd_loads(DY, DS, X, RES, BITS, MEAN, RSTD, rows, row_end, cols, col_mask, 
     return x, res, bits, dy, ds, mean, rstd
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["M", "rows_per_program", "threshold"])
 def _ln_bwd_kernel(DY, DS, X, RES, XB, W, BITS, MEAN, RSTD, DX, DRES, PART,
                    M, N, rows_per_program, stride_dy, stride_ds, stride_x, stride_res, stride_dx, stride_dres,
@@ -274,7 +276,7 @@ def layer_norm_fwd(x, residual, weight, bias, eps, x_bias, dropout_p, seed, stor
     rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m > 0:
         block_m, block_n, num_warps = row_block(n)
-        _ln_fwd_kernel[(triton.cdiv(m, block_m),)](
+        _ln_fwd_kernel[(cdiv(m, block_m),)](
             x2, res2, x_bias, weight, bias, y, s, bits, mean, rstd,
             m, n, x2.stride(0), res2.stride(0) if res2 is not None else 0, y.stride(0), n,
             eps, drop_threshold(dropout_p), 1.0 / (1.0 - dropout_p), seed,

@@ -72,7 +72,8 @@ def _static_ref(hidden, labels, positions, dense_weight, dense_bias, ln_weight, 
 # matmuls accumulate d(hidden) and write the chunk's rows of d(decoder_weight).
 
 from fastbert.ops import weight_casts  # noqa: E402
-from fastbert.ops._common import INTERPRET, check_triton_device, register_op, tl, triton  # noqa: E402
+from fastbert.ops._common import (  # noqa: E402
+    INTERPRET, cdiv, check_triton_device, next_power_of_2, register_op, tl, triton)
 from fastbert.ops.ffn import linear_bias_gelu  # noqa: E402
 from fastbert.ops.layer_norm import dropout_add_layer_norm  # noqa: E402
 
@@ -127,7 +128,7 @@ def _interpret_block_n(v: int) -> int:
     """The interpreter's vocab tile: about 8 tiles whatever the vocabulary (at least 32 columns). The interpreter
     costs per program, not per element: 32-column tiles made BERT's 30,522 words 954 programs a row block (minutes
     a step of a tiny model), while several tiles still exercise the cross-tile combine."""
-    return max(32, triton.next_power_of_2(triton.cdiv(v, 8)))
+    return max(32, next_power_of_2(cdiv(v, 8)))
 
 
 def _lce_tiles(restore_value):
@@ -234,16 +235,16 @@ def linear_cross_entropy_fwd(h, weight, bias, labels):
         return (torch.zeros((), dtype=torch.float32, device=dev), torch.empty((0,), dtype=torch.float32, device=dev),
                 torch.zeros((), dtype=torch.int64, device=dev))
     # Partials are sized for the narrowest vocab tile of the autotune space; wider tiles fill a prefix.
-    tiles = triton.cdiv(v, _narrowest_tiles(v)[1])
+    tiles = cdiv(v, _narrowest_tiles(v)[1])
     max_p = torch.full((n, tiles), float("-inf"), dtype=torch.float32, device=dev)
     sum_p = torch.zeros((n, tiles), dtype=torch.float32, device=dev)
     label_p = torch.zeros((n, tiles), dtype=torch.float32, device=dev)
     arg_p = torch.full((n, tiles), v, dtype=torch.int32, device=dev)
 
     def grid(meta):
-        return (triton.cdiv(v, meta["BLOCK_N"]), triton.cdiv(n, meta["BLOCK_M"]))
+        return (cdiv(v, meta["BLOCK_N"]), cdiv(n, meta["BLOCK_M"]))
     _lce_fwd_kernel[grid](h, weight, bias, labels, max_p, sum_p, label_p, arg_p, n, v, k,
-                          triton.next_power_of_2(n), h.stride(0), weight.stride(0), tiles,
+                          next_power_of_2(n), h.stride(0), weight.stride(0), tiles,
                           INPUT_PRECISION=input_precision(h.dtype))
     # Online-softmax combine over vocab tiles; unused tiles hold (-inf, 0) and drop out.
     row_max = max_p.max(dim=1).values  # (n,)
@@ -266,7 +267,7 @@ def linear_cross_entropy_bwd(grad, h, weight, bias, labels, lse):
     if n == 0:
         return dh.to(h.dtype), dw.zero_(), torch.zeros_like(bias)
     chunk = max(128, min(v, (_BWD_CHUNK_ELEMS // n) // 128 * 128))
-    max_block_m_rows = triton.cdiv(n, _narrowest_tiles(v)[0])
+    max_block_m_rows = cdiv(n, _narrowest_tiles(v)[0])
     db_part = torch.zeros((max_block_m_rows, v), dtype=torch.float32, device=dev)
     dl = torch.empty((n, min(chunk, v)), dtype=h.dtype, device=dev)
     # d(mean)/d(row) = 1 / (rows with a label): folded into g on the device, so no count is read back.
@@ -275,8 +276,8 @@ def linear_cross_entropy_bwd(grad, h, weight, bias, labels, lse):
         c = min(chunk, v - v0)
 
         def grid(meta):
-            return (triton.cdiv(c, meta["BLOCK_N"]), triton.cdiv(n, meta["BLOCK_M"]))
-        _lce_bwd_kernel[grid](h, weight, bias, labels, lse, g, dl, db_part, n, v, k, triton.next_power_of_2(n),
+            return (cdiv(c, meta["BLOCK_N"]), cdiv(n, meta["BLOCK_M"]))
+        _lce_bwd_kernel[grid](h, weight, bias, labels, lse, g, dl, db_part, n, v, k, next_power_of_2(n),
                               v0, c, h.stride(0), weight.stride(0), dl.stride(0), 1.0,
                               INPUT_PRECISION=input_precision(h.dtype))
         dlc = dl[:, :c]  # (n, c)
