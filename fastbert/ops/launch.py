@@ -1,17 +1,17 @@
 """Triton launches with less host work: ``@fast_launch`` over an entry kernel's ``@triton.jit``.
 
-An eager training step (HF Trainer, a user's own loop) is host-bound at BERT sizes: the GPU finishes a
-kernel before Python has issued the next. Triton's ``kernel[grid](...)`` spent ~70-85 us of host time a launch
-in a BERT-base fine-tuning step on the GPU host (H200's host, Triton 3.6; the launch itself,
-``cuLaunchKernelEx``, ~12 us of it): reading its knobs from the environment, looking up the device twice,
-hashing ``str(options)``, checking the kernel's globals, building launch metadata for hooks that are not there,
-and calling two empty hook chains from C. ``fast_launch`` keeps the one part that decides which compiled
-kernel runs, Triton's own binder (its native per-argument specialization: dtypes, 16-byte alignment,
-divisibility by 16, the value 1), and looks its result up in a dict of the kernels compiled so far; a hit
-launches the compiled kernel directly. Anything else goes through ``kernel[grid](...)`` unchanged: the first
-launch of each specialization (it compiles), a launch while a Triton hook is installed (profilers: launch hooks, pre-run hooks), the
-interpreter (``TRITON_INTERPRET=1``), a Triton whose internals differ from those used here (checked once), and
-``FASTBERT_FAST_LAUNCH=0``.
+An eager training step (HF Trainer, a user's own loop) is host-bound at BERT sizes: the GPU finishes a kernel
+before Python has issued the next. Triton's ``kernel[grid](...)`` took 53-86 us of host time a launch in an eager
+BERT-base fine-tuning step on the GPU hosts (H200, Triton 3.6; ``cuLaunchKernelEx`` itself ~12 us of it): besides
+its binder it adds options to the call, looks the device up twice, hashes ``str(options)``, checks the kernel's
+globals, builds launch metadata for hooks that are not there and calls two empty hook chains from C.
+``fast_launch`` keeps the part that decides which compiled kernel runs, Triton's own binder (its native
+per-argument specialization: dtypes, 16-byte alignment, divisibility by 16, the value 1), looks the result up in a
+dict of the kernels compiled so far and launches a hit directly: 40-49 us a launch in the same steps
+(``benchmarks/RESULTS.md``, thirtieth session). Anything else goes through ``kernel[grid](...)`` unchanged: the
+first launch of each specialization (it compiles), a launch while a Triton hook is installed (profilers: launch
+hooks, pre-run hooks, a pipeline inspection hook), the interpreter (``TRITON_INTERPRET=1``), a Triton without the
+internals used here (checked when a kernel is wrapped), and ``FASTBERT_FAST_LAUNCH=0``.
 
 What the shortcut does not see: a change of ``TRITON_DEBUG`` or ``TRITON_INSTRUMENTATION_MODE`` after a
 specialization's first launch, and a change of a kernel's global variables (fastbert's are constants).
@@ -68,7 +68,10 @@ class FastKernel:
             return self._slow(grid, args, kwargs, None)
         bound, specialization, options = caches[4](*args, **kwargs)  # Triton's binder
         key = (device, tuple(specialization), tuple(options.items()))
-        kernel = self._compiled.get(key)
+        try:
+            kernel = self._compiled.get(key)
+        except TypeError:  # an argument Triton specializes on something unhashable: Triton's own path
+            return self._slow(grid, args, kwargs, None)
         if kernel is None:
             return self._slow(grid, args, kwargs, key)
         if callable(grid):

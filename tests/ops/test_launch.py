@@ -42,7 +42,8 @@ class _JitFunction:
         self.fn = "the python function"
 
     def binder(self, x, n, BLOCK=16, **options):  # noqa: N803 - a constexpr's name
-        spec = [("*fp32", "D" if x % 16 == 0 else None), ("i32", "D" if n % 16 == 0 else None), ("constexpr", BLOCK)]
+        align = [x] if isinstance(x, list) else ("D" if x % 16 == 0 else None)  # a list: an unhashable specialization
+        spec = [("*fp32", align), ("i32", "D" if n % 16 == 0 else None), ("constexpr", BLOCK)]
         return {"x": x, "n": n, "BLOCK": BLOCK}, spec, options
 
     def __getitem__(self, grid):
@@ -80,6 +81,9 @@ def test_first_launch_of_a_specialization_goes_through_triton_then_launches_dire
     k[(1,)](0, 0, BLOCK=32, num_warps=4)
     k[(1,)](0, 0, BLOCK=16, num_warps=8)
     assert [e[0] for e in fn.log[7:]] == ["direct"] * 4
+    k[(1,)]([32], 64)  # a specialization that cannot be a dict key: Triton's path, every time
+    k[(1,)]([32], 64)
+    assert [e[0] for e in fn.log[11:]] == ["triton"] * 2
 
 
 def test_grid_functions_hooks_and_the_switch(switched_on):
