@@ -1,7 +1,8 @@
 """Build the fastbert C++ extensions (pybind11).
 
 `fastbert._wordpiece` holds version/build information and the WordPiece tokenizer core; `fastbert._vocab`
-the vocabulary trainer. Set FASTBERT_DEBUG=1 for an unoptimized build.
+the vocabulary trainer; `fastbert._launch` the Triton launch shortcut's argument binding (fastbert/ops/launch.py).
+Set FASTBERT_DEBUG=1 for an unoptimized build.
 The tokenizer's Unicode tables are generated first (csrc/tokenizer/gen_unicode.py, from this
 Python's unicodedata) into the git-ignored csrc/tokenizer/generated/. `fastbert._wordpiece_cuda` (the GPU
 tokenizer, csrc/cuda) is built only when nvcc and a CUDA build of torch are present (FASTBERT_CUDA=0
@@ -43,8 +44,9 @@ def cpp_extension(name: str, folder: str) -> Pybind11Extension:
     )
 
 
-# fastbert._wordpiece: tokenizer core (csrc/tokenizer); fastbert._vocab: WordPiece vocabulary trainer (csrc/vocab).
-ext_modules = [cpp_extension("fastbert._wordpiece", "tokenizer")]
+# fastbert._wordpiece: tokenizer core (csrc/tokenizer); fastbert._vocab: WordPiece vocabulary trainer (csrc/vocab);
+# fastbert._launch: the Triton launch shortcut's argument binding (csrc/launch, plain CPython API, fastbert/ops/launch.py).
+ext_modules = [cpp_extension("fastbert._wordpiece", "tokenizer"), cpp_extension("fastbert._launch", "launch")]
 if any((ROOT / "csrc" / "vocab").glob("*.cpp")):
     ext_modules.append(cpp_extension("fastbert._vocab", "vocab"))
 

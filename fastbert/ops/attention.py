@@ -14,6 +14,7 @@ the torch custom ops that let ``torch.compile`` wrap them, the ``autograd.Functi
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -712,6 +713,31 @@ class _Extras:
         return column_sums(self.parts)
 
 
+_WORK_LISTS = [None]  # the last lists built outside a capture: (weakref to cu_seqlens, its _version, blocks, lists)
+
+
+def _short_work_lists(cu_seqlens, blocks):
+    """The fused short backward's work lists ``((N_BUCKETS, 2, batch) int32, (N_BUCKETS,) int32)``: each bucket's
+    sequence starts and lengths, and counts, made on the device (no sync) by ``_short_lists_kernel``. Every layer's
+    backward reads the same ``cu_seqlens``, so a backward pass builds them once: the lists of the last call are
+    reused while it is the same tensor, unchanged (its version counter) and the same buckets (an eager BERT-base
+    step: 12 launches and 24 allocations fewer). Not while a CUDA graph is captured: lists made before the capture
+    would be replayed with the values of that moment, so a capture builds its own and keeps none."""
+    capturing = cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()
+    cached = _WORK_LISTS[0]
+    if (not capturing and cached is not None and cached[0]() is cu_seqlens and cached[1] == cu_seqlens._version
+            and cached[2] == blocks):
+        return cached[3]
+    batch = cu_seqlens.shape[0] - 1
+    lists = torch.empty((len(blocks), 2, batch), dtype=torch.int32, device=cu_seqlens.device)
+    counts = torch.empty((len(blocks),), dtype=torch.int32, device=cu_seqlens.device)
+    _short_lists_kernel[(1,)](cu_seqlens, lists, counts, batch, N_BUCKETS=len(blocks), SMALLEST=blocks[0],
+                              CHUNK=1024)
+    if not capturing:
+        _WORK_LISTS[0] = (weakref.ref(cu_seqlens), cu_seqlens._version, list(blocks), (lists, counts))
+    return lists, counts
+
+
 def _launch_backward(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen, dropout_p, softmax_scale, grads,
                      blocks, extras):
     """Launch the backward kernels writing ``grads`` = (dq, dk, dv) (bytes with FP8 ``extras``) and ``extras``
@@ -729,11 +755,7 @@ def _launch_backward(dout, q, k, v, out, lse, mask, cu_seqlens, max_seqlen, drop
                   dout.stride(0), dout.stride(1), out.stride(0), out.stride(1), dq.stride(0), dq.stride(1))
     strides_kv = (dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1))
     if blocks is not None:
-        # the buckets' work lists ((starts, lengths) a bucket) and counts, on the device: no sync
-        lists = torch.empty((len(blocks), 2, batch), dtype=torch.int32, device=q.device)
-        counts = torch.empty((len(blocks),), dtype=torch.int32, device=q.device)
-        _short_lists_kernel[(1,)](cu_seqlens, lists, counts, batch, N_BUCKETS=len(blocks), SMALLEST=blocks[0],
-                                  CHUNK=1024)
+        lists, counts = _short_work_lists(cu_seqlens, blocks)
         for j, block in enumerate(blocks):
             warps, programs, stages = _short_bwd_launch(block, q, consts["BLOCK_D"])
             _bwd_short_kernel[(programs,)](

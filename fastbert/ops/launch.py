@@ -2,22 +2,34 @@
 
 An eager training step (HF Trainer, a user's own loop) is host-bound at BERT sizes: the GPU finishes a kernel
 before Python has issued the next. Triton's ``kernel[grid](...)`` took 53-86 us of host time a launch in an eager
-BERT-base fine-tuning step on the GPU hosts (H200, Triton 3.6; ``cuLaunchKernelEx`` itself ~12 us of it): besides
-its binder it adds options to the call, looks the device up twice, hashes ``str(options)``, checks the kernel's
-globals, builds launch metadata for hooks that are not there and calls two empty hook chains from C.
-``fast_launch`` keeps the part that decides which compiled kernel runs, Triton's own binder (its native
-per-argument specialization: dtypes, 16-byte alignment, divisibility by 16, the value 1), looks the result up in a
-dict of the kernels compiled so far and launches a hit directly: 40-49 us a launch in the same steps
-(``benchmarks/RESULTS.md``, thirtieth session). Anything else goes through ``kernel[grid](...)`` unchanged: the
-first launch of each specialization (it compiles), a launch while a Triton hook is installed (profilers: launch
-hooks, pre-run hooks, a pipeline inspection hook), the interpreter (``TRITON_INTERPRET=1``), a Triton without the
-internals used here (checked when a kernel is wrapped), and ``FASTBERT_FAST_LAUNCH=0``.
+BERT-base fine-tuning step on the GPU hosts (H200, Triton 3.6; ``cuLaunchKernelEx`` itself ~12 us of it): its
+binder (a generated Python function that binds the ~20-45 arguments and specializes each), options added to the
+call, two device lookups, a hash of ``str(options)``, a check of the kernel's globals, launch metadata for hooks
+that are not there, two empty hook chains called from C, and in Triton's C launcher, for every tensor, a call of
+its ``data_ptr()`` and a driver query (``cuPointerGetAttribute``).
+
+``fast_launch`` does that work once per specialization. ``fastbert._launch.prepare`` (C, ``csrc/launch``) binds a
+call's arguments to the kernel's parameters and returns a key that tells apart every pair of calls Triton would
+compile differently (constexpr values; each tensor's dtype and 16-byte alignment; each int's divisibility by 16,
+the value 1 and its 32/64-bit range, as the parameter's ``do_not_specialize`` flags let Triton see them; None,
+bools, floats; the launch options), plus the arguments in the kernel's order with each tensor replaced by its
+address. A key seen before launches its compiled kernel directly through Triton's own C launcher (an address is
+passed as is, no driver query). Anything else goes through ``kernel[grid](...)`` unchanged, and its compiled
+kernel is kept under the key: the first launch of each specialization (it compiles), an argument of another kind
+(a tensor subclass, an object with ``data_ptr``, an unhashable constexpr), a grid function, a launch while a Triton
+hook is installed (profilers: launch hooks, pre-run hooks, a pipeline inspection hook), the interpreter
+(``TRITON_INTERPRET=1``), a Triton without the internals used here or a build without ``fastbert._launch``
+(checked when a kernel is wrapped), and ``FASTBERT_FAST_LAUNCH=0``. The key refines Triton's own specialization,
+so a kernel kept under it is the one Triton would have picked (``tests/ops/test_launch.py`` checks the keys
+against Triton's binder).
 
 What the shortcut does not see: a change of ``TRITON_DEBUG`` or ``TRITON_INSTRUMENTATION_MODE`` after a
-specialization's first launch, and a change of a kernel's global variables (fastbert's are constants).
+specialization's first launch, a change of a kernel's global variables (fastbert's are constants), and a CPU
+tensor passed to a CUDA kernel (Triton's driver query would name it; fastbert's ops dispatch on the device first).
 """
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -25,10 +37,22 @@ import torch
 # read at every launch: benchmarks and tests turn the shortcut off and on in one process
 ENABLED = os.environ.get("FASTBERT_FAST_LAUNCH", "1") != "0" and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
+CONSTEXPR, NO_SPECIALIZE, NO_ALIGN = 1, 2, 4  # csrc/launch/launch_key.cpp's parameter flags
+_NO_DEFAULT = object()
+
+
+def _prepare():
+    """``fastbert._launch.prepare``, or None in a build without it."""
+    try:
+        from fastbert._launch import prepare
+    except ImportError:
+        return None
+    return prepare
+
 
 def _internals():
-    """``(JITFunction, Triton's runtime knobs, current device getter, raw stream getter)`` when this Triton has
-    what the shortcut uses, else None."""
+    """``(JITFunction, Triton's runtime knobs, current device getter, raw stream getter, prepare)`` when this Triton
+    and this build have what the shortcut uses, else None."""
     try:
         from triton import knobs
         from triton.runtime.jit import JITFunction
@@ -37,9 +61,22 @@ def _internals():
         return None
     runtime = getattr(knobs, "runtime", None)
     hooks = [getattr(runtime, name, None) for name in ("launch_enter_hook", "launch_exit_hook")]
-    if not all(hasattr(h, "calls") for h in hooks) or not hasattr(JITFunction, "create_binder"):
+    prepare = _prepare()
+    if not all(hasattr(h, "calls") for h in hooks) or prepare is None:
         return None
-    return JITFunction, runtime, torch.cuda.current_device, _cuda_getCurrentRawStream
+    return JITFunction, runtime, torch.cuda.current_device, _cuda_getCurrentRawStream, prepare
+
+
+def plan_of(jit_fn) -> tuple:
+    """What ``prepare`` needs of a kernel's signature: ``(names, flags, defaults, index, tensor types, no-default
+    marker)``, from the ``JITFunction``'s ``signature`` and ``params`` (Triton's ``KernelParam``: ``is_constexpr``,
+    ``do_not_specialize``, ``do_not_specialize_on_alignment``)."""
+    names = tuple(jit_fn.signature.parameters)
+    flags = tuple(CONSTEXPR * bool(p.is_constexpr) + NO_SPECIALIZE * bool(p.do_not_specialize)
+                  + NO_ALIGN * bool(p.do_not_specialize_on_alignment) for p in jit_fn.params)
+    defaults = tuple(_NO_DEFAULT if p.default is inspect.Parameter.empty else p.default
+                     for p in jit_fn.signature.parameters.values())
+    return names, flags, defaults, {n: i for i, n in enumerate(names)}, (torch.Tensor, torch.nn.Parameter), _NO_DEFAULT
 
 
 class FastKernel:
@@ -48,8 +85,9 @@ class FastKernel:
 
     def __init__(self, jit_fn, internals):
         self.jit_fn = jit_fn
-        _, self._runtime, self._device, self._stream = internals
-        self._compiled = {}  # (device, specialization, options) -> CompiledKernel
+        _, self._runtime, self._device, self._stream, self._prepare = internals
+        self._plan = plan_of(jit_fn)
+        self._compiled = {}  # (device, prepare's key) -> CompiledKernel
         self.__name__ = getattr(jit_fn, "__name__", "kernel")
         self.__doc__ = getattr(jit_fn, "__doc__", None)
 
@@ -60,25 +98,22 @@ class FastKernel:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid, args, kwargs):
-        if not ENABLED:
-            return self.jit_fn[grid](*args, **kwargs)
-        device = self._device()
-        caches = self.jit_fn.device_caches.get(device)
-        if caches is None or self._hooked():
+        if not ENABLED or callable(grid) or self._hooked():
             return self._slow(grid, args, kwargs, None)
-        bound, specialization, options = caches[4](*args, **kwargs)  # Triton's binder
-        key = (device, tuple(specialization), tuple(options.items()))
+        prepared = self._prepare(self._plan, args, kwargs)
+        if prepared is None:  # an argument of a kind prepare leaves to Triton
+            return self._slow(grid, args, kwargs, None)
+        key, ordered = prepared
+        device = self._device()
         try:
-            kernel = self._compiled.get(key)
-        except TypeError:  # an argument Triton specializes on something unhashable: Triton's own path
+            kernel = self._compiled.get((device, key))
+        except TypeError:  # an unhashable constexpr: Triton's own path
             return self._slow(grid, args, kwargs, None)
         if kernel is None:
-            return self._slow(grid, args, kwargs, key)
-        if callable(grid):
-            grid = grid(bound)
+            return self._slow(grid, args, kwargs, (device, key))
         n = len(grid)
         kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self._stream(device), kernel.function,
-                   kernel.packed_metadata, None, None, None, *bound.values())
+                   kernel.packed_metadata, None, None, None, *ordered)
         return kernel
 
     def _hooked(self) -> bool:
@@ -105,6 +140,6 @@ def fast_launch(kernel):
         return kernel
     internals = _internals()
     if internals is None or not isinstance(kernel, internals[0]) or not all(
-            hasattr(kernel, a) for a in ("device_caches", "pre_run_hooks")):
+            hasattr(kernel, a) for a in ("signature", "params", "pre_run_hooks")):
         return kernel
     return FastKernel(kernel, internals)

@@ -119,6 +119,53 @@ def test_short_backward_work_lists():
         assert lists[j, 1, :len(mine)].tolist() == [lengths[i] for i in mine]
 
 
+def test_short_backward_builds_its_work_lists_once_a_pass(monkeypatch):
+    """Layers that share ``cu_seqlens`` (every layer of a forward) share the backward's work lists: three stacked
+    attentions' backward launches ``_short_lists_kernel`` once, and every gradient is bit-equal to the same stack
+    run with a copy of ``cu_seqlens`` per layer (lists built per layer); changing ``cu_seqlens`` in place (its
+    version counter) or passing another tensor builds new lists."""
+    from fastbert.ops import attention as A
+    launches = []
+    kernel = A._short_lists_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(A, "_short_lists_kernel", Counting())
+    monkeypatch.setattr(A, "_WORK_LISTS", [None])
+    lengths = [5, 17, 1, 9, 100, 64]  # more than one length bucket
+    cu = cu_seqlens_of(lengths)
+    g = torch.Generator().manual_seed(3)
+    q0 = torch.randn(sum(lengths), 2, 16, generator=g).to(DEVICE)
+
+    def stacked(q, per_layer_copy=False):
+        for _ in range(3):
+            q = varlen_attention(q, q, q, cu.clone() if per_layer_copy else cu, max(lengths))
+        return q
+
+    shared, separate = q0.clone().requires_grad_(), q0.clone().requires_grad_()
+    out_shared = stacked(shared)
+    out_shared.square().sum().backward()
+    assert len(launches) == 1
+    out_separate = stacked(separate, per_layer_copy=True)
+    out_separate.square().sum().backward()
+    assert len(launches) == 4
+    torch.testing.assert_close(out_shared, out_separate, rtol=0, atol=0)
+    torch.testing.assert_close(shared.grad, separate.grad, rtol=0, atol=0)
+    stacked(q0.clone().requires_grad_()).sum().backward()
+    assert len(launches) == 5  # the last lists were the copies': cu's are built again, once
+    stacked(q0.clone().requires_grad_()).sum().backward()
+    assert len(launches) == 5  # the same cu_seqlens, unchanged: still the same lists
+    cu.add_(0)  # an in-place write: the lists may no longer hold
+    stacked(q0.clone().requires_grad_()).sum().backward()
+    assert len(launches) == 6
+    cu = cu.clone()
+    stacked(q0.clone().requires_grad_()).sum().backward()
+    assert len(launches) == 7
+
+
 def test_softmax_scale_and_large_logits():
     # Large scores (scale 10 on N(0,1) inputs) stress the running max / log-sum-exp.
     lengths = [3, 30]

@@ -12,6 +12,9 @@ from fastbert.ops._common import INTERPRET, cdiv, next_power_of_2
 from fastbert.ops.launch import FastKernel
 
 
+prepare = pytest.importorskip("fastbert._launch").prepare
+
+
 class _Hooks:
     def __init__(self):
         self.calls = []
@@ -33,22 +36,30 @@ class _Compiled:
         self.log.append(("direct", args))
 
 
+def _params(fn, constexprs=(), dns=(), dns_align=()):
+    """Triton's ``KernelParam`` fields that ``launch.plan_of`` reads, for the parameters of ``fn``."""
+    import inspect
+    from types import SimpleNamespace
+    return [SimpleNamespace(is_constexpr=name in constexprs, do_not_specialize=name in dns,
+                            do_not_specialize_on_alignment=name in dns_align)
+            for name in inspect.signature(fn).parameters]
+
+
 class _JitFunction:
-    """What FastKernel reads of a ``JITFunction``: ``device_caches[device][4]`` (the binder), ``pre_run_hooks``,
-    ``[grid](...)`` (Triton's own path: here it records the launch and returns a compiled kernel)."""
+    """What FastKernel reads of a ``JITFunction``: ``signature``, ``params``, ``pre_run_hooks``, ``[grid](...)``
+    (Triton's own path: here it records the launch and returns a compiled kernel)."""
 
     def __init__(self):
-        self.log, self.pre_run_hooks, self.device_caches = [], [], {}
-        self.fn = "the python function"
+        import inspect
 
-    def binder(self, x, n, BLOCK=16, **options):  # noqa: N803 - a constexpr's name
-        align = [x] if isinstance(x, list) else ("D" if x % 16 == 0 else None)  # a list: an unhashable specialization
-        spec = [("*fp32", align), ("i32", "D" if n % 16 == 0 else None), ("constexpr", BLOCK)]
-        return {"x": x, "n": n, "BLOCK": BLOCK}, spec, options
+        def kernel(x, n, BLOCK=16):  # noqa: N803 - a constexpr's name
+            pass
+        self.signature, self.params = inspect.signature(kernel), _params(kernel, constexprs=("BLOCK",))
+        self.log, self.pre_run_hooks = [], []
+        self.fn = "the python function"
 
     def __getitem__(self, grid):
         def run(*args, **kwargs):
-            self.device_caches.setdefault(0, ({}, {}, None, None, self.binder))
             self.log.append(("triton", grid, args, kwargs))
             return _Compiled(self.log)
         return run
@@ -61,55 +72,138 @@ def switched_on(monkeypatch):
 
 def _kernel():
     fn, runtime = _JitFunction(), _Runtime()
-    return FastKernel(fn, (_JitFunction, runtime, lambda: 0, lambda device: 7)), fn, runtime
+    return FastKernel(fn, (_JitFunction, runtime, lambda: 0, lambda device: 7, prepare)), fn, runtime
+
+
+def _at(address: int, dtype=torch.float32) -> torch.Tensor:
+    """A CPU tensor whose data_ptr() is ``address`` modulo 64 (a view into a 64-byte-aligned buffer)."""
+    base = torch.empty(256, dtype=torch.uint8)
+    skip = (-base.data_ptr()) % 64 + address % 64
+    return base[skip:skip + 64].view(dtype) if dtype.itemsize == 1 or address % dtype.itemsize == 0 \
+        else base[skip:skip + 64]
 
 
 def test_first_launch_of_a_specialization_goes_through_triton_then_launches_directly(switched_on):
     k, fn, _ = _kernel()
-    k[(3,)](32, 64, BLOCK=16, num_warps=4)  # no binder yet for the device: Triton's path
-    k[(3,)](32, 64, BLOCK=16, num_warps=4)  # now a known device, but not yet a known specialization
-    k[(5, 2)](48, 80, BLOCK=16, num_warps=4)  # same specialization (aligned, divisible): direct
-    assert [e[0] for e in fn.log] == ["triton", "triton", "direct"]
-    assert fn.log[2][1] == (5, 2, 1, 7, "function", "metadata", None, None, None, 48, 80, 16)
-    k[(1,)](33, 64, BLOCK=16, num_warps=4)  # misaligned pointer: another specialization, Triton compiles it
-    k[(1,)](32, 65, BLOCK=16, num_warps=4)  # n not divisible by 16: another one
-    k[(1,)](32, 64, BLOCK=32, num_warps=4)  # another constexpr
-    k[(1,)](32, 64, BLOCK=16, num_warps=8)  # another option
-    assert [e[0] for e in fn.log[3:]] == ["triton"] * 4
-    k[(1,)](17, 64, BLOCK=16, num_warps=4)
-    k[(1,)](32, 63, BLOCK=16, num_warps=4)
-    k[(1,)](0, 0, BLOCK=32, num_warps=4)
-    k[(1,)](0, 0, BLOCK=16, num_warps=8)
-    assert [e[0] for e in fn.log[7:]] == ["direct"] * 4
-    k[(1,)]([32], 64)  # a specialization that cannot be a dict key: Triton's path, every time
+    x, y, odd = _at(0), _at(32), _at(4)
+    k[(3,)](x, 64, BLOCK=16, num_warps=4)  # not yet a known specialization: Triton's path
+    k[(5, 2)](y, 80, BLOCK=16, num_warps=4)  # same specialization (aligned, divisible): direct
+    assert [e[0] for e in fn.log] == ["triton", "direct"]
+    assert fn.log[1][1] == (5, 2, 1, 7, "function", "metadata", None, None, None, y.data_ptr(), 80, 16)
+    k[(1,)](odd, 64, BLOCK=16, num_warps=4)  # misaligned pointer: another specialization, Triton compiles it
+    k[(1,)](x, 65, BLOCK=16, num_warps=4)  # n not divisible by 16: another one
+    k[(1,)](x, 1, BLOCK=16, num_warps=4)  # n == 1: another one
+    k[(1,)](x, 64, BLOCK=32, num_warps=4)  # another constexpr
+    k[(1,)](x, 64, BLOCK=16, num_warps=8)  # another option
+    k[(1,)](x.double(), 64, BLOCK=16, num_warps=4)  # another dtype
+    k[(1,)](x, 2**40, BLOCK=16, num_warps=4)  # a 64-bit int
+    assert [e[0] for e in fn.log[2:]] == ["triton"] * 7
+    k[(1,)](_at(36), 64, BLOCK=16, num_warps=4)
+    k[(1,)](y, 63, BLOCK=16, num_warps=4)
+    k[(1,)](y, 1, BLOCK=16, num_warps=4)
+    k[(1,)](y, 0, BLOCK=32, num_warps=4)
+    k[(1,)](y, 0, BLOCK=16, num_warps=8)
+    k[(1,)](y.double(), 0, BLOCK=16, num_warps=4)
+    k[(1,)](y, 2**41, BLOCK=16, num_warps=4)
+    k[(1,)](y, 0)  # BLOCK's default, no options: a new key (the options are part of it)
+    assert [e[0] for e in fn.log[9:]] == ["direct"] * 7 + ["triton"]
+    k[(1,)](x, n=64, BLOCK=16, num_warps=4)  # keywords bind as positions do: the same key
+    assert fn.log[-1][0] == "direct"
+    k[(1,)]([32], 64)  # an argument prepare does not handle: Triton's path, every time
     k[(1,)]([32], 64)
-    assert [e[0] for e in fn.log[11:]] == ["triton"] * 2
+    k[(1,)](x, 64, BLOCK=[16])  # an unhashable constexpr: the same
+    k[(1,)](x, 64, BLOCK=[16])
+    k[(1,)](x, 64, n=3)  # n twice: Triton's path (which raises Python's error)
+    assert [e[0] for e in fn.log[-5:]] == ["triton"] * 5
 
 
 def test_grid_functions_hooks_and_the_switch(switched_on):
     k, fn, runtime = _kernel()
+    x = _at(0)
     for _ in range(2):
-        k[(1,)](32, 64)
-    k[lambda bound: (bound["n"] // 16, 2)](32, 64)
-    assert fn.log[-1] == ("direct", (4, 2, 1, 7, "function", "metadata", None, None, None, 32, 64, 16))
+        k[(1,)](x, 64)
+    assert fn.log[-1] == ("direct", (1, 1, 1, 7, "function", "metadata", None, None, None, x.data_ptr(), 64, 16))
+    k[lambda bound: (bound["n"] // 16, 2)](x, 64)  # a grid function: Triton's path
     runtime.launch_enter_hook.calls.append(print)  # a profiler watching launches: Triton's path, hooks called
-    k[(1,)](32, 64)
+    k[(1,)](x, 64)
     runtime.launch_enter_hook.calls.clear()
     fn.pre_run_hooks.append(print)
-    k[(1,)](32, 64)
+    k[(1,)](x, 64)
     fn.pre_run_hooks.clear()
     runtime.add_stages_inspection_hook = print
-    k[(1,)](32, 64)
+    k[(1,)](x, 64)
     runtime.add_stages_inspection_hook = None
     old, launch.ENABLED = launch.ENABLED, False
     try:
-        k[(1,)](32, 64)
+        k[(1,)](x, 64)
     finally:
         launch.ENABLED = old
-    assert [e[0] for e in fn.log[-4:]] == ["triton"] * 4
-    k[(1,)](32, 64)
+    assert [e[0] for e in fn.log[-5:]] == ["triton"] * 5
+    k[(1,)](x, 64)
     assert fn.log[-1][0] == "direct"
     assert k.fn == "the python function"  # attributes of the JITFunction read through
+
+
+def _probe_kernel(X, Y, n, m, s, f, flag, N_CONST, BLOCK: "tl.constexpr" = 16, stride=1):  # noqa: N803
+    """A kernel signature for the key test (never compiled): tensors (Y without alignment specialization), ints (m
+    without specialization), a float, a bool, a plain parameter used as a constexpr, a constexpr with a default
+    and an int with one."""
+
+
+def test_prepare_keys_refine_tritons_specialization():
+    """For calls over tensors of several dtypes at aligned and misaligned addresses, None, ints around the values
+    Triton specializes on (1, multiples of 16, the 32-bit, 64-bit and unsigned 64-bit ranges), floats, bools,
+    constexprs and options: calls with equal ``prepare`` keys have equal specializations by Triton's own binder
+    (so the kernel kept under a key is the one Triton picks), and ``prepare``'s arguments are the binder's with
+    each tensor replaced by its address."""
+    import itertools
+    import random
+    jit = pytest.importorskip("triton.runtime.jit")
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    params = _params(_probe_kernel, constexprs=("N_CONST", "BLOCK"), dns=("m",), dns_align=("Y",))
+    for p, name in zip(params, ("X", "Y", "n", "m", "s", "f", "flag", "N_CONST", "BLOCK", "stride")):
+        p.name, p.annotation_type, p.is_const = name, "", False
+    import inspect
+    sig = inspect.signature(_probe_kernel)
+    binder = jit.create_function_from_signature(sig, params, CUDABackend(GPUTarget("cuda", 90, 32)))
+    plan = launch.plan_of(type("K", (), {"signature": sig, "params": params})())
+    tensors = [_at(a, dt) for a in (0, 2, 4, 16, 48) for dt in (torch.float32, torch.bfloat16, torch.uint8)]
+    ints = [0, 1, 2, 15, 16, 17, 32, -16, -1, 2**31 - 16, 2**31, 2**31 + 16, 2**40 + 1, 2**63 - 16, 2**63, 2**64 - 16]
+    rng = random.Random(0)
+    triton_of, seen = {}, 0
+    for _ in range(4000):
+        args = [rng.choice(tensors), rng.choice(tensors + [None]), rng.choice(ints), rng.choice(ints),
+                rng.choice([0.5, -2.0, 1e30]), rng.choice([0.25, 3.0]), rng.choice([True, False]),
+                rng.choice([1, 2, 64, None])]
+        kwargs = {}
+        if rng.random() < 0.5:
+            kwargs["BLOCK"] = rng.choice([16, 32])
+        if rng.random() < 0.5:
+            kwargs["stride"] = rng.choice(ints)
+        if rng.random() < 0.3:
+            kwargs["num_warps"] = rng.choice([4, 8])
+        mine = prepare(plan, tuple(args), kwargs)
+        assert mine is not None, (args, kwargs)
+        key, ordered = mine
+        bound, spec, options = binder(*args, **kwargs)
+        theirs = (tuple(spec), tuple(options.items()))
+        assert triton_of.setdefault(key, theirs) == theirs, (args, kwargs)
+        assert ordered == tuple(v.data_ptr() if isinstance(v, torch.Tensor) else v for v in bound.values())
+        seen += 1
+    assert seen == 4000 and len(triton_of) > 200  # many distinct specializations met
+    # what prepare leaves to Triton's path
+    x = tensors[0]
+    assert prepare(plan, (x, x, 1, 1, 0.5, 0.5, True), {}) is None  # N_CONST missing
+    assert prepare(plan, (x, x, 2**64, 1, 0.5, 0.5, True, 1), {}) is None  # beyond 64 bits
+    assert prepare(plan, (x, x, -2**63 - 1, 1, 0.5, 0.5, True, 1), {}) is None
+    assert prepare(plan, (x, "a string", 1, 1, 0.5, 0.5, True, 1), {}) is None
+    sub = x.as_subclass(type("Sub", (torch.Tensor,), {}))
+    assert prepare(plan, (sub, x, 1, 1, 0.5, 0.5, True, 1), {}) is None  # a tensor subclass
+    assert prepare(plan, (x, x, 1, 1, 0.5, 0.5, True, 1), {"n": 3}) is None  # n twice
+    assert prepare(plan, tuple(itertools.repeat(x, 11)), {}) is None  # too many
+    with pytest.raises(TypeError):
+        prepare(plan, [x], {})
 
 
 def test_interpreter_leaves_kernels_as_triton_made_them():
