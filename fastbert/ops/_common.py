@@ -329,6 +329,12 @@ def num_sms(device: torch.device) -> int:
     return 2  # interpreter: few programs run fastest
 
 
+def raw_stream(device: torch.device) -> int:
+    """The handle of ``device``'s current CUDA stream: ``torch.cuda.current_stream(device).cuda_stream`` without
+    building a ``Stream`` object (tens of calls an eager step, from the GEMMs called through ctypes)."""
+    return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else torch.cuda.current_device())
+
+
 # ----------------------------------------------------------------------------- dropout
 # Philox4x32 with 7 rounds, the fewest that pass BigCrush (Salmon et al. 2011, "Parallel random numbers: as easy
 # as 1, 2, 3"), as FlashAttention draws its dropout; Triton's default is 10. Attention's forward at (32, 16, 512)

@@ -47,6 +47,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from fastbert.ops._common import raw_stream
+
 # cublasLtEpilogue_t values
 EPILOGUES = {"default": 1, "gelu": 32, "gelu_bias": 36, "gelu_aux": 160, "gelu_aux_bias": 164, "dgelu": 192}
 _HAS_BIAS = ("gelu_bias", "gelu_aux_bias")
@@ -286,7 +288,7 @@ def _run(p: Plan, a, b, epilogue: str, c, out, extra: dict) -> Optional[torch.Te
         lt.handle, entry.desc, ctypes.byref(lt.one), ptrs["b"], entry.layouts[0], ptrs["a"], entry.layouts[1],
         ctypes.byref(lt.one if c is not None else lt.zero), ptrs["c"], entry.layouts[2], ptrs["d"], entry.layouts[2],
         ctypes.byref(entry.algo.algo),
-        workspace.data_ptr() if workspace is not None else None, ws, torch.cuda.current_stream(a.device).cuda_stream)
+        workspace.data_ptr() if workspace is not None else None, ws, raw_stream(a.device))
     lt._check(status, f"cublasLtMatmul ({epilogue}, {p})")
     return out
 

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from fastbert.ops._common import column_sums
+from fastbert.ops._common import column_sums, raw_stream
 
 # The launch shape each function uses (the .cu file lists them): v0 (cooperative 128 x 256 tiles, 2 x 1 clusters)
 # both ways, the fastest of `benchmarks/bench_ops.py --ops sm90` on an H200 at BERT-base's size (up-projection
@@ -131,7 +131,7 @@ def bias_gelu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> tuple:
     y = x.new_empty((m, n))
     g = torch.empty_like(y)
     _check(_lib().fb_sm90_bias_gelu(x.data_ptr(), w.data_ptr(), bias.data_ptr(), g.data_ptr(), y.data_ptr(), m, n, k,
-                                    VARIANT["bias_gelu"], torch.cuda.current_stream(x.device).cuda_stream),
+                                    VARIANT["bias_gelu"], raw_stream(x.device)),
            f"bias + GELU ({m} x {k} -> {n})")
     return y, g
 
@@ -145,7 +145,7 @@ def dgelu(d: torch.Tensor, w2: torch.Tensor, g: torch.Tensor) -> tuple:
     dz = torch.empty_like(g)
     partial = torch.empty((-(-m // tile_m), -(-n // tile_n) * tile_n), dtype=torch.float32, device=d.device)
     _check(lib.fb_sm90_dgelu(d.data_ptr(), w2.data_ptr(), g.data_ptr(), dz.data_ptr(), partial.data_ptr(), m, n, k, v,
-                             torch.cuda.current_stream(d.device).cuda_stream),
+                             raw_stream(d.device)),
            f"GELU derivative ({m} x {k} -> {n})")
     return dz, column_sums(partial)[:n]
 
