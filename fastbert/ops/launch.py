@@ -14,7 +14,8 @@ compile differently (constexpr values; each tensor's dtype and 16-byte alignment
 the value 1 and its 32/64-bit range, as the parameter's ``do_not_specialize`` flags let Triton see them; None,
 bools, floats; the launch options), plus the arguments in the kernel's order with each tensor replaced by its
 address. A key seen before launches its compiled kernel directly through Triton's own C launcher (an address is
-passed as is, no driver query). Anything else goes through ``kernel[grid](...)`` unchanged, and its compiled
+passed as is, no driver query; on Triton 3.6 its C launch function is called without the Python wrapper around it,
+which only allocates scratch buffers fastbert's kernels do not have: ``direct_launch``). Anything else goes through ``kernel[grid](...)`` unchanged, and its compiled
 kernel is kept under the key: the first launch of each specialization (it compiles), an argument of another kind
 (a tensor subclass, an object with ``data_ptr``, an unhashable constexpr), a grid function, a launch while a Triton
 hook is installed (profilers: launch hooks, pre-run hooks, a pipeline inspection hook), the interpreter
@@ -38,6 +39,17 @@ import torch
 ENABLED = os.environ.get("FASTBERT_FAST_LAUNCH", "1") != "0" and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 CONSTEXPR, NO_SPECIALIZE, NO_ALIGN = 1, 2, 4  # csrc/launch/launch_key.cpp's parameter flags
+
+
+def _triton_version() -> tuple:
+    try:
+        import triton
+    except ImportError:
+        return ()
+    return tuple(triton.__version__.split(".")[:2])
+
+
+_TRITON_3_6 = _triton_version() == ("3", "6")  # the launcher layout direct_launch knows
 _NO_DEFAULT = object()
 
 
@@ -87,7 +99,7 @@ class FastKernel:
         self.jit_fn = jit_fn
         _, self._runtime, self._device, self._stream, self._prepare = internals
         self._plan = plan_of(jit_fn)
-        self._compiled = {}  # (device, prepare's key) -> CompiledKernel
+        self._compiled = {}  # (device, prepare's key) -> (CompiledKernel, direct_launch(its run))
         self.__name__ = getattr(jit_fn, "__name__", "kernel")
         self.__doc__ = getattr(jit_fn, "__doc__", None)
 
@@ -106,14 +118,20 @@ class FastKernel:
         key, ordered = prepared
         device = self._device()
         try:
-            kernel = self._compiled.get((device, key))
+            entry = self._compiled.get((device, key))
         except TypeError:  # an unhashable constexpr: Triton's own path
             return self._slow(grid, args, kwargs, None)
-        if kernel is None:
+        if entry is None:
             return self._slow(grid, args, kwargs, (device, key))
+        kernel, direct = entry
         n = len(grid)
-        kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self._stream(device), kernel.function,
-                   kernel.packed_metadata, None, None, None, *ordered)
+        g1, g2 = grid[1] if n > 1 else 1, grid[2] if n > 2 else 1
+        if direct is not None:  # Triton's C launch function itself (direct_launch)
+            direct[0](grid[0], g1, g2, self._stream(device), kernel.function, direct[1], direct[2], None, None,
+                      kernel.packed_metadata, None, None, None, *ordered)
+        else:
+            kernel.run(grid[0], g1, g2, self._stream(device), kernel.function, kernel.packed_metadata, None, None,
+                       None, *ordered)
         return kernel
 
     def _hooked(self) -> bool:
@@ -128,8 +146,22 @@ class FastKernel:
         if hasattr(kernel, "result"):  # an asynchronous compile's future
             kernel = kernel.result()
         if key is not None and all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
-            self._compiled[key] = kernel
+            self._compiled[key] = (kernel, direct_launch(kernel.run))
         return kernel
+
+
+def direct_launch(run) -> tuple | None:
+    """``(launch, cooperative grid, PDL)`` of a compiled kernel's ``run`` when it is Triton 3.6's ``CudaLauncher``
+    and the kernel needs no scratch buffers, else None. That ``run`` is Python: it allocates the kernel's global and
+    profiling scratch buffers (none for fastbert's kernels) and then calls ``launch``, Triton's generated C
+    function, as ``launch(gx, gy, gz, stream, function, cooperative, pdl, global scratch, profile scratch,
+    metadata, launch metadata, enter hook, exit hook, *args)``; the shortcut calls that directly. Other Triton
+    versions (3.9's launcher takes other arguments) keep ``run``."""
+    if not _TRITON_3_6 or type(run).__name__ != "CudaLauncher" or not callable(getattr(run, "launch", None)):
+        return None
+    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return None
+    return run.launch, run.launch_cooperative_grid, run.launch_pdl
 
 
 def fast_launch(kernel):

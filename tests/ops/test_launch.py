@@ -144,6 +144,46 @@ def test_grid_functions_hooks_and_the_switch(switched_on):
     assert k.fn == "the python function"  # attributes of the JITFunction read through
 
 
+class CudaLauncher:
+    """A stand-in for Triton 3.6's ``CompiledKernel.run`` (``direct_launch`` looks at the class name)."""
+
+    def __init__(self, log, scratch=0):
+        self.log, self.global_scratch_size, self.profile_scratch_size = log, scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, False
+
+    def launch(self, *args):
+        self.log.append(("c launch", args))
+
+    def __call__(self, *args):
+        self.log.append(("direct", args))
+
+
+def test_triton_3_6s_c_launch_function_is_called_without_its_python_wrapper(switched_on, monkeypatch):
+    """On Triton 3.6, a kernel without scratch buffers launches through its ``CudaLauncher.launch`` (the generated C
+    function) with the arguments ``CudaLauncher.__call__`` would pass it; with scratch buffers, or another Triton,
+    through ``run`` (which allocates them)."""
+    k, fn, _ = _kernel()
+    x = _at(0)
+
+    def compiled(scratch):
+        c = _Compiled(fn.log)
+        c.run = CudaLauncher(fn.log, scratch)
+        return c
+
+    for version_36, scratch, expected in ((True, 0, "c launch"), (True, 256, "direct"), (False, 0, "direct")):
+        monkeypatch.setattr(launch, "_TRITON_3_6", version_36)
+        k._compiled.clear()
+        monkeypatch.setattr(_JitFunction, "__getitem__", lambda self, grid: (
+            lambda *a, **kw: (self.log.append(("triton", grid, a, kw)), compiled(scratch))[1]))
+        k[(1,)](x, 64)
+        k[(2, 3)](x, 64)
+        assert fn.log[-1][0] == expected, (version_36, scratch)
+        if expected == "c launch":
+            assert fn.log[-1][1] == (2, 3, 1, 7, "function", False, False, None, None, "metadata", None, None, None,
+                                     x.data_ptr(), 64, 16)
+    assert launch.direct_launch(print) is None
+
+
 def _probe_kernel(X, Y, n, m, s, f, flag, N_CONST, BLOCK: "tl.constexpr" = 16, stride=1):  # noqa: N803
     """A kernel signature for the key test (never compiled): tensors (Y without alignment specialization), ints (m
     without specialization), a float, a bool, a plain parameter used as a constexpr, a constexpr with a default
