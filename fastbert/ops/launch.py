@@ -167,7 +167,7 @@ def direct_launch(run) -> tuple | None:
 def fast_launch(kernel):
     """``kernel`` (a ``@triton.jit`` entry kernel) wrapped in :class:`FastKernel`, or unchanged where the shortcut
     does not apply (module doc): under the interpreter, with ``FASTBERT_FAST_LAUNCH=0``, without Triton, for an
-    autotuned kernel, or on a Triton without the internals it uses."""
+    autotuned kernel, on a Triton without the internals it uses, or in a build without ``fastbert._launch``."""
     if not ENABLED:
         return kernel
     internals = _internals()
