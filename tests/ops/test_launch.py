@@ -1,18 +1,17 @@
 """``fastbert.ops.launch``: Triton launches that skip Triton's per-launch host work once a specialization has run.
 
 On the CPU (the interpreter) the shortcut is off and the kernels are Triton's own objects; its dispatch logic is
-tested here against a stand-in for a ``JITFunction`` that records which path each launch took. On a GPU the tests
+tested here against a stand-in for a ``JITFunction`` that records which path each launch took, and the C binding's
+keys against Triton's own binder. On a GPU the tests
 launch real kernels on aligned and misaligned inputs, alternating, and compare with the shortcut turned off.
 """
 import pytest
 import torch
 
+from fastbert._launch import prepare  # built by setup.py wherever fastbert is installed: a missing one fails here
 from fastbert.ops import launch
 from fastbert.ops._common import INTERPRET, cdiv, next_power_of_2
 from fastbert.ops.launch import FastKernel
-
-
-prepare = pytest.importorskip("fastbert._launch").prepare
 
 
 class _Hooks:
