@@ -75,7 +75,8 @@ def _kernel():
 
 
 def _at(address: int, dtype=torch.float32) -> torch.Tensor:
-    """A CPU tensor whose data_ptr() is ``address`` modulo 64 (a view into a 64-byte-aligned buffer)."""
+    """A CPU tensor whose data_ptr() is ``address`` modulo 64 (a view into a 64-byte-aligned buffer): of ``dtype``,
+    or of bytes where ``address`` is not a multiple of its size."""
     base = torch.empty(256, dtype=torch.uint8)
     skip = (-base.data_ptr()) % 64 + address % 64
     return base[skip:skip + 64].view(dtype) if dtype.itemsize == 1 or address % dtype.itemsize == 0 \
