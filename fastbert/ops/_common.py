@@ -320,9 +320,14 @@ def next_power_of_2(n: int) -> int:
 _SMS: dict = {}  # CUDA device index -> SM count
 
 
+def device_index(device: torch.device) -> int:
+    """A CUDA device's index; the current device's for a bare ``torch.device("cuda")``."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        index = device_index(device)
         if index not in _SMS:
             _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
         return _SMS[index]
@@ -332,7 +337,7 @@ def num_sms(device: torch.device) -> int:
 def raw_stream(device: torch.device) -> int:
     """The handle of ``device``'s current CUDA stream: ``torch.cuda.current_stream(device).cuda_stream`` without
     building a ``Stream`` object (tens of calls an eager step, from the GEMMs called through ctypes)."""
-    return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else torch.cuda.current_device())
+    return torch._C._cuda_getCurrentRawStream(device_index(device))
 
 
 # ----------------------------------------------------------------------------- dropout

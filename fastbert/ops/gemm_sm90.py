@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from fastbert.ops._common import column_sums, raw_stream
+from fastbert.ops._common import column_sums, device_index, raw_stream
 
 # The launch shape each function uses (the .cu file lists them): v0 (cooperative 128 x 256 tiles, 2 x 1 clusters)
 # both ways, the fastest of `benchmarks/bench_ops.py --ops sm90` on an H200 at BERT-base's size (up-projection
@@ -108,8 +108,7 @@ def eligible(*tensors) -> bool:
     dev = tensors[0].device
     if dev.type != "cuda" or _lib() is None:
         return False
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    if not _sm90(index):
+    if not _sm90(device_index(dev)):
         return False
     for t in tensors:
         if (t.device != dev or t.dtype != torch.bfloat16 or not t.is_contiguous() or t.numel() == 0
