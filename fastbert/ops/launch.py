@@ -15,10 +15,10 @@ the value 1 and its 32/64-bit range, as the parameter's ``do_not_specialize`` fl
 bools, floats; the launch options), plus the arguments in the kernel's order with each tensor replaced by its
 address. A key seen before launches its compiled kernel directly through Triton's own C launcher (an address is
 passed as is, no driver query; on Triton 3.6 its C launch function is called without the Python wrapper around it,
-which only allocates scratch buffers fastbert's kernels do not have: ``direct_launch``). Anything else goes through ``kernel[grid](...)`` unchanged, and its compiled
-kernel is kept under the key: the first launch of each specialization (it compiles), an argument of another kind
-(a tensor subclass, an object with ``data_ptr``, an unhashable constexpr), a grid function, a launch while a Triton
-hook is installed (profilers: launch hooks, pre-run hooks, a pipeline inspection hook), the interpreter
+which only allocates scratch buffers fastbert's kernels do not have: ``direct_launch``). Anything else goes
+through ``kernel[grid](...)`` unchanged, and its compiled kernel is kept under the key: the first launch of each
+specialization (it compiles), an argument of another kind (a tensor subclass, an object with ``data_ptr``, an
+unhashable constexpr), a grid function, a launch while a Triton hook is installed (profilers: launch hooks, pre-run hooks, a pipeline inspection hook), the interpreter
 (``TRITON_INTERPRET=1``), a Triton without the internals used here or a build without ``fastbert._launch``
 (checked when a kernel is wrapped), and ``FASTBERT_FAST_LAUNCH=0``. The key refines Triton's own specialization,
 so a kernel kept under it is the one Triton would have picked (``tests/ops/test_launch.py`` checks the keys
@@ -30,6 +30,7 @@ tensor passed to a CUDA kernel (Triton's driver query would name it; fastbert's 
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 
@@ -62,9 +63,10 @@ def _prepare():
     return prepare
 
 
+@functools.lru_cache(maxsize=None)
 def _internals():
     """``(JITFunction, Triton's runtime knobs, current device getter, raw stream getter, prepare)`` when this Triton
-    and this build have what the shortcut uses, else None."""
+    and this build have what the shortcut uses, else None; looked up once, not once per wrapped kernel."""
     try:
         from triton import knobs
         from triton.runtime.jit import JITFunction
