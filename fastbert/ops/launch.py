@@ -18,9 +18,10 @@ passed as is, no driver query; on Triton 3.6 its C launch function is called wit
 which only allocates scratch buffers fastbert's kernels do not have: ``direct_launch``). Anything else goes
 through ``kernel[grid](...)`` unchanged, and its compiled kernel is kept under the key: the first launch of each
 specialization (it compiles), an argument of another kind (a tensor subclass, an object with ``data_ptr``, an
-unhashable constexpr), a grid function, a launch while a Triton hook is installed (profilers: launch hooks, pre-run hooks, a pipeline inspection hook), the interpreter
-(``TRITON_INTERPRET=1``), a Triton without the internals used here or a build without ``fastbert._launch``
-(checked when a kernel is wrapped), and ``FASTBERT_FAST_LAUNCH=0``. The key refines Triton's own specialization,
+unhashable constexpr), a grid function, a launch while a Triton hook is installed (profilers: launch hooks,
+pre-run hooks, a pipeline inspection hook), the interpreter (``TRITON_INTERPRET=1``), a Triton without the
+internals used here or a build without ``fastbert._launch`` (checked when a kernel is wrapped), and
+``FASTBERT_FAST_LAUNCH=0``. The key refines Triton's own specialization,
 so a kernel kept under it is the one Triton would have picked (``tests/ops/test_launch.py`` checks the keys
 against Triton's binder).
 
