@@ -61,270 +61,202 @@ def _static_ref(hidden, labels, positions, dense_weight, dense_bias, ln_weight, 
     return loss, correct, count
 
 
-# ============================================================================= Triton kernels
-# Everything below is the fused path. The rows to predict are gathered first (n = masked tokens),
-# the transform reuses the fused linear+GELU and LayerNorm ops, and the decoder + cross-entropy is
-# fused: the forward kernel computes (row-block x vocab-block) logit tiles in registers and reduces
-# each tile at once to per-row partials (running max, sum of exp, label logit, argmax), so no
-# logits are ever stored; the host combines the partials of the vocab tiles (online logsumexp).
-# The backward walks the vocabulary in chunks: a kernel recomputes a chunk's logits and writes its
-# d(logits) = (softmax - onehot) * g / n (n x chunk, the only logits-sized buffer), then two cuBLAS
-# matmuls accumulate d(hidden) and write the chunk's rows of d(decoder_weight).
+# ============================================================================= fused path
+# Everything below is the fused path. The rows to predict are gathered first (n = masked tokens), the transform
+# reuses the fused linear+GELU and LayerNorm ops, and the decoder + cross-entropy runs as cuBLAS GEMMs around one
+# Triton pass: the forward GEMM writes the logits (n x vocab, in h's dtype, the decoder's bias in its epilogue, as
+# HF's ``F.linear`` computes them), then ``_ce_rows_kernel`` reads each row twice, once for its log-sum-exp, argmax
+# and the label's logit and once to overwrite it with d(logits) = softmax - onehot; the backward is two GEMMs on
+# that buffer (d(hidden), d(decoder weight)) and the bias gradient's column sums, the mean's 1 / n and the
+# incoming gradient applied to their small operands. The vocabulary is padded to a multiple of 64 columns (zero
+# rows of the 16-bit decoder copy, zero d(logits)): BERT's 30,522 columns make rows of 61,044 bytes, which are
+# not 16-byte aligned, and cuBLAS then runs its slow unaligned kernels. When the n x vocab buffer would exceed
+# ``_KEEP_ELEMS`` elements, rows go in chunks that size and the backward recomputes each chunk's logits.
+# (Until the thirty-second session the logits were Triton GEMM tiles reduced in registers and recomputed in the
+# backward: ~1.9 ms of an H200's BERT-large step against ~1.0 now, benchmarks/RESULTS.md.)
 
 from fastbert.ops import weight_casts  # noqa: E402
 from fastbert.ops._common import (  # noqa: E402
-    INTERPRET, cdiv, check_triton_device, next_power_of_2, register_op, tl, triton)
+    INTERPRET, cdiv, check_triton_device, fast_launch, next_power_of_2, register_op, tl, triton)
 from fastbert.ops.ffn import linear_bias_gelu  # noqa: E402
 from fastbert.ops.layer_norm import dropout_add_layer_norm  # noqa: E402
+from fastbert.ops.linear import bias_grad, wgrad  # noqa: E402
 
-# Elements of the (n x chunk) d(logits) buffer of the backward: 2^24 = 32 MiB in bf16.
-_BWD_CHUNK_ELEMS = 1 << 24
-
-
-def input_precision(dtype):
-    """fp32 inputs follow torch's TF32 switch for matmuls; 16-bit inputs are exact products anyway."""
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
-    return "tf32"
-
-
-@triton.jit
-def mm_tile(A, B, pid_m, pid_n, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
-            EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp32 tile ``A[pid_m rows] @ B[pid_n rows].T`` of A ``(M, K)`` and B ``(N, K)`` (B is a
-    weight in nn.Linear layout). Rows past M / N wrap around (modulo) so the loads need no row
-    masks; the caller masks the store."""
-    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = A + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = B + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None] * stride_bk
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
-    return acc
+# Elements of the logits buffer kept from the forward for the backward: 2^28 (512 MiB in bf16; BERT-large's
+# 2,560 slots take 78 M). Beyond it, chunks of rows this size, recomputed in the backward.
+_KEEP_ELEMS = 1 << 28
+_VOCAB_ALIGN = 64
+# (BLOCK_R rows, BLOCK_V columns, num_warps) of _ce_rows_kernel on a GPU, and in the interpreter (which costs per
+# program: many rows a program)
+_CE_TILE = (1, 2048, 8)
+_CE_TILE_INTERPRET = (16, 256, 1)
 
 
-_LCE_CONFIGS = [
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8, num_stages=4),
-    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
-]
-_INTERPRET_BLOCK_M = 32
+def padded_vocab(v: int) -> int:
+    """The logits' column count: ``v`` rounded up to a multiple of ``_VOCAB_ALIGN``."""
+    return cdiv(v, _VOCAB_ALIGN) * _VOCAB_ALIGN
 
 
-def _interpret_block_n(v: int) -> int:
-    """The interpreter's vocab tile: about 8 tiles whatever the vocabulary (at least 32 columns). The interpreter
-    costs per program, not per element: 32-column tiles made BERT's 30,522 words 954 programs a row block (minutes
-    a step of a tiny model), while several tiles still exercise the cross-tile combine."""
-    return max(32, next_power_of_2(cdiv(v, 8)))
-
-
-def _lce_tiles(restore_value):
-    """The kernels' tile sizes: autotuned on a GPU; in the interpreter (the CPU tests) one config whose vocab tile
-    follows the vocabulary (still an autotuner, which benchmarks/e2e_train_step.py's probe lists)."""
-    key = ["N_BUCKET", "V", "K"]
-    if not INTERPRET:
-        return triton.autotune(configs=_LCE_CONFIGS, key=key, restore_value=restore_value)
-    tune = triton.autotune(configs=[triton.Config({"BLOCK_M": _INTERPRET_BLOCK_M, "BLOCK_K": 32})], key=key,
-                           restore_value=restore_value)
-    vocab = triton.heuristics({"BLOCK_N": lambda a: _interpret_block_n(a["V"])})
-    return lambda fn: tune(vocab(fn))
-
-
-def _narrowest_tiles(v: int) -> tuple:
-    """(BLOCK_M, BLOCK_N): the smallest row and vocab tiles the kernels may run with at vocabulary ``v``, which
-    size the partial buffers."""
-    if INTERPRET:
-        return _INTERPRET_BLOCK_M, _interpret_block_n(v)
-    return min(c.kwargs["BLOCK_M"] for c in _LCE_CONFIGS), min(c.kwargs["BLOCK_N"] for c in _LCE_CONFIGS)
-
-
-@triton.jit
-def _logits_tile(H, W, B, Y, pid_m, pid_n, n, V, K, v_start, stride_h, stride_w,
-                 EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp32 logits of rows pid_m and vocab columns v_start + pid_n tile (-inf past V), the
-    columns' vocab ids, the rows, their labels and row mask."""
-    acc = mm_tile(H, W + v_start * stride_w, pid_m, pid_n, n, V - v_start, K, stride_h, 1, stride_w, 1,
-                  EVEN_K, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = v_start + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < V
-    acc += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    acc = tl.where(col_mask[None, :], acc, float("-inf"))
-    row_mask = rows < n
-    labels = tl.load(Y + rows, mask=row_mask, other=-1).to(tl.int32)
-    return acc, rows, cols, row_mask, labels
-
-
-# restore_value: configs of different tile sizes write different partial slots while autotuning;
-# every timed run must start from the same initial buffers.
-@_lce_tiles(restore_value=["MAX_P", "SUM_P", "LABEL_P", "ARGMAX_P"])
-@triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
+@fast_launch
 @triton.jit(do_not_specialize=["n"])
-def _lce_fwd_kernel(H, W, B, Y, MAX_P, SUM_P, LABEL_P, ARGMAX_P, n, V, K, N_BUCKET, stride_h, stride_w,
-                    stride_p, INPUT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Per (row, vocab tile) partials at [row, pid_n]: max logit, sum exp(logit - max), the label's
-    logit (0 where the label is elsewhere), and the argmax (first index of the max)."""
-    # Vocab tiles vary fastest so concurrently running programs share the same hidden rows.
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    logits, rows, cols, row_mask, labels = _logits_tile(
-        H, W, B, Y, pid_m, pid_n, n, V, K, 0, stride_h, stride_w, EVEN_K, INPUT_PRECISION,
-        BLOCK_M, BLOCK_N, BLOCK_K)
-    m = tl.max(logits, axis=1)
-    s = tl.sum(tl.exp(logits - m[:, None]), axis=1)
-    is_max = logits == m[:, None]
-    arg = tl.min(tl.where(is_max, cols[None, :], 2147483647), axis=1)
-    lab = tl.sum(tl.where(cols[None, :] == labels[:, None], logits, 0.0), axis=1)
-    offs = rows.to(tl.int64) * stride_p + pid_n
-    tl.store(MAX_P + offs, m, mask=row_mask)
-    tl.store(SUM_P + offs, s, mask=row_mask)
-    tl.store(LABEL_P + offs, lab, mask=row_mask)
-    tl.store(ARGMAX_P + offs, arg, mask=row_mask)
+def _ce_rows_kernel(L, Y, LSE, LAB, ARG, n, V, VP, stride_l, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Rows [pid * BLOCK_R, +BLOCK_R) of the logits L ``(n, VP)`` (columns from V on are padding): their
+    log-sum-exp, the label's logit (0 without a label: Y < 0) and the argmax (first index of the max) into LSE,
+    LAB, ARG; then each row is overwritten with d(logits) = softmax - onehot (0 in rows without a label and in
+    the padding). The first pass keeps a running max, sum and argmax per lane (one exp an element, no
+    cross-thread reduction until the row's end); the second re-reads the row, mostly from L2."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n
+    base = L + rows.to(tl.int64)[:, None] * stride_l
+    label = tl.load(Y + rows, mask=row_ok, other=-1)
+    cols = tl.arange(0, BLOCK_V)
+    # a finite floor, not -inf: no (-inf) - (-inf) for lanes that have seen only masked columns
+    m = tl.full((BLOCK_R, BLOCK_V), -3.0e38, tl.float32)
+    s = tl.zeros((BLOCK_R, BLOCK_V), tl.float32)
+    arg = tl.zeros((BLOCK_R, BLOCK_V), tl.int32)
+    for v0 in range(0, V, BLOCK_V):
+        c = v0 + cols
+        x = tl.load(base + c[None, :], mask=row_ok[:, None] & (c < V)[None, :], other=float("-inf")).to(tl.float32)
+        up = x > m
+        e = tl.exp(-tl.abs(x - m))  # exp(smaller - larger)
+        s = tl.where(up, s * e + 1.0, s + e)
+        arg = tl.where(up, c[None, :], arg)
+        m = tl.where(up, x, m)
+    row_max = tl.max(m, 1)
+    lse = row_max + tl.log(tl.where(row_ok, tl.sum(s * tl.exp(m - row_max[:, None]), 1), 1.0))
+    first = tl.min(tl.where(m == row_max[:, None], arg, 2147483647), 1)
+    has = row_ok & (label >= 0)
+    lab = tl.load(L + rows.to(tl.int64) * stride_l + label, mask=has, other=0.0).to(tl.float32)
+    tl.store(LSE + rows, lse, mask=row_ok)
+    tl.store(LAB + rows, lab, mask=row_ok)
+    tl.store(ARG + rows, first, mask=row_ok)
+    for v0 in range(0, VP, BLOCK_V):
+        c = v0 + cols
+        x = tl.load(base + c[None, :], mask=row_ok[:, None] & (c < V)[None, :], other=float("-inf")).to(tl.float32)
+        d = tl.exp(x - lse[:, None]) - (c[None, :] == label[:, None]).to(tl.float32)
+        d = tl.where(has[:, None] & (c < V)[None, :], d, 0.0)
+        tl.store(base + c[None, :], d.to(L.dtype.element_ty), mask=row_ok[:, None] & (c < VP)[None, :])
 
 
-@_lce_tiles(restore_value=["DB_PART"])
-@triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
-@triton.jit(do_not_specialize=["n", "chunk"])
-def _lce_bwd_kernel(H, W, B, Y, LSE, G, DL, DB_PART, n, V, K, N_BUCKET, v_start, chunk, stride_h, stride_w,
-                    stride_dl, inv_n, INPUT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """d(logits) of vocab columns [v_start, v_start + chunk) into DL (n, chunk) and the column sums
-    of this row block (partial d(bias)) into DB_PART[pid_m, col]."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    logits, rows, cols, row_mask, labels = _logits_tile(
-        H, W, B, Y, pid_m, pid_n, n, V, K, v_start, stride_h, stride_w, EVEN_K, INPUT_PRECISION,
-        BLOCK_M, BLOCK_N, BLOCK_K)
-    lse = tl.load(LSE + rows, mask=row_mask, other=0.0)
-    g = tl.load(G).to(tl.float32) * inv_n
-    prob = tl.exp(logits - lse[:, None])  # exp(-inf) = 0 past V
-    dl = (prob - (cols[None, :] == labels[:, None]).to(tl.float32)) * g
-    local = cols - v_start
-    # Rows with a negative label (unused slots of a static-shape batch) get no gradient.
-    keep = (row_mask & (labels >= 0))[:, None] & (local < chunk)[None, :] & (cols < V)[None, :]
-    dl = tl.where(keep, dl, 0.0)
-    store = row_mask[:, None] & (local < chunk)[None, :] & (cols < V)[None, :]
-    tl.store(DL + rows.to(tl.int64)[:, None] * stride_dl + local[None, :], dl.to(DL.dtype.element_ty), mask=store)
-    tl.store(DB_PART + pid_m * V + cols, tl.sum(dl, axis=0), mask=(local < chunk) & (cols < V))
+def _logit_grads(h, weight, bias, labels, v, out=None):
+    """d(logits) of rows ``h`` ``(r, K)`` against ``labels`` into ``out`` (a new ``(r, VP)`` buffer when None), and
+    the rows' ``(lse, label logit, argmax)``: the decoder GEMM (``weight``, ``bias``: padded to VP rows), then
+    ``_ce_rows_kernel`` in place."""
+    r = h.shape[0]
+    dl = torch.addmm(bias, h, weight.t()) if out is None else torch.addmm(bias, h, weight.t(), out=out)
+    lse = torch.empty((r,), dtype=torch.float32, device=h.device)
+    lab, arg = torch.empty_like(lse), torch.empty((r,), dtype=torch.int32, device=h.device)
+    block_r, block_v, warps = _CE_TILE_INTERPRET if INTERPRET else _CE_TILE
+    block_v = min(block_v, next_power_of_2(weight.shape[0]))
+    if r:
+        _ce_rows_kernel[(cdiv(r, block_r),)](dl, labels, lse, lab, arg, r, v, weight.shape[0], dl.stride(0),
+                                             BLOCK_R=block_r, BLOCK_V=block_v, num_warps=warps)
+    return dl, lse, lab, arg
 
 
-# ============================================================================= host wrappers
-def linear_cross_entropy_fwd(h, weight, bias, labels):
-    """Mean cross-entropy of ``h @ weight.T + bias`` against ``labels`` without storing logits; rows
-    with a negative label are left out of the mean (0 when none is left). Returns ``(loss fp32
-    scalar, lse fp32 (n,), num_correct int64 scalar)``."""
-    n, k = h.shape
-    v = weight.shape[0]
-    dev = h.device
-    if n == 0:
-        return (torch.zeros((), dtype=torch.float32, device=dev), torch.empty((0,), dtype=torch.float32, device=dev),
-                torch.zeros((), dtype=torch.int64, device=dev))
-    # Partials are sized for the narrowest vocab tile of the autotune space; wider tiles fill a prefix.
-    tiles = cdiv(v, _narrowest_tiles(v)[1])
-    max_p = torch.full((n, tiles), float("-inf"), dtype=torch.float32, device=dev)
-    sum_p = torch.zeros((n, tiles), dtype=torch.float32, device=dev)
-    label_p = torch.zeros((n, tiles), dtype=torch.float32, device=dev)
-    arg_p = torch.full((n, tiles), v, dtype=torch.int32, device=dev)
+def _chunk_rows(n: int, vp: int) -> int:
+    """Rows a chunk: all n when the (n x VP) buffer fits ``_KEEP_ELEMS`` (then it is kept), else the most that fit."""
+    return n if n * vp <= _KEEP_ELEMS else max(1, _KEEP_ELEMS // vp)
 
-    def grid(meta):
-        return (cdiv(v, meta["BLOCK_N"]), cdiv(n, meta["BLOCK_M"]))
-    _lce_fwd_kernel[grid](h, weight, bias, labels, max_p, sum_p, label_p, arg_p, n, v, k,
-                          next_power_of_2(n), h.stride(0), weight.stride(0), tiles,
-                          INPUT_PRECISION=input_precision(h.dtype))
-    # Online-softmax combine over vocab tiles; unused tiles hold (-inf, 0) and drop out.
-    row_max = max_p.max(dim=1).values  # (n,)
-    lse = row_max + torch.log((sum_p * torch.exp(max_p - row_max[:, None])).sum(dim=1))
+
+def linear_cross_entropy_fwd(h, weight, bias, labels, vocab: int):
+    """Mean cross-entropy of ``h @ weight.T + bias`` (``weight`` ``(VP, K)`` and ``bias`` ``(VP,)`` padded with
+    zeros past ``vocab``) against ``labels``; rows with a negative label are left out of the mean (0 when none is
+    left). Returns ``(loss fp32 scalar, num_correct int64 scalar, d(logits))``: d(logits) ``(n, VP)`` in h's dtype
+    (softmax - onehot, unscaled) when kept for the backward, else ``(0, VP)`` (see :func:`_chunk_rows`)."""
+    n = h.shape[0]
+    vp = weight.shape[0]
+    chunk = _chunk_rows(n, vp)
+    if n == 0 or chunk == n:
+        dl, lse, lab, arg = _logit_grads(h, weight, bias, labels, vocab)
+    else:
+        buf = torch.empty((chunk, vp), dtype=h.dtype, device=h.device)
+        parts = [_logit_grads(h[r0:r0 + chunk], weight, bias, labels[r0:r0 + chunk], vocab,
+                              buf[:min(chunk, n - r0)])[1:] for r0 in range(0, n, chunk)]
+        lse, lab, arg = (torch.cat(t) for t in zip(*parts))
+        dl = h.new_empty((0, vp))
     valid = labels >= 0
-    loss = ((lse - label_p.sum(dim=1)) * valid).sum() / valid.sum().clamp(min=1)
-    # argmax: the smallest index among tiles that reach the row max (torch's first-max rule).
-    pred = torch.where(max_p == row_max[:, None], arg_p, v).min(dim=1).values
-    correct = (pred.long() == labels).sum()
-    return loss, lse, correct
+    loss = ((lse - lab) * valid).sum() / valid.sum().clamp(min=1)
+    correct = ((arg.long() == labels) & valid).sum()
+    return loss, correct, dl
 
 
-def linear_cross_entropy_bwd(grad, h, weight, bias, labels, lse):
-    """Gradients ``(dh, dweight, dbias)`` of the mean loss scaled by ``grad`` (a scalar tensor)."""
+def linear_cross_entropy_bwd(grad, h, weight, bias, labels, dl, vocab: int, wdtype: torch.dtype,
+                             bdtype: torch.dtype):
+    """Gradients ``(dh, dweight, dbias)`` of the mean loss scaled by ``grad`` (a scalar tensor), dweight and dbias
+    ``vocab`` rows long in ``wdtype`` / ``bdtype``; ``dl``: the forward's d(logits), or empty to recompute them."""
     n, k = h.shape
-    v = weight.shape[0]
-    dev = h.device
-    dh = torch.zeros((n, k), dtype=torch.float32, device=dev)
-    dw = torch.empty_like(weight)
-    if n == 0:
-        return dh.to(h.dtype), dw.zero_(), torch.zeros_like(bias)
-    chunk = max(128, min(v, (_BWD_CHUNK_ELEMS // n) // 128 * 128))
-    max_block_m_rows = cdiv(n, _narrowest_tiles(v)[0])
-    db_part = torch.zeros((max_block_m_rows, v), dtype=torch.float32, device=dev)
-    dl = torch.empty((n, min(chunk, v)), dtype=h.dtype, device=dev)
-    # d(mean)/d(row) = 1 / (rows with a label): folded into g on the device, so no count is read back.
-    g = (grad.reshape(1).to(torch.float32) / (labels >= 0).sum().clamp(min=1)).contiguous()
-    for v0 in range(0, v, chunk):
-        c = min(chunk, v - v0)
-
-        def grid(meta):
-            return (cdiv(c, meta["BLOCK_N"]), cdiv(n, meta["BLOCK_M"]))
-        _lce_bwd_kernel[grid](h, weight, bias, labels, lse, g, dl, db_part, n, v, k, next_power_of_2(n),
-                              v0, c, h.stride(0), weight.stride(0), dl.stride(0), 1.0,
-                              INPUT_PRECISION=input_precision(h.dtype))
-        dlc = dl[:, :c]  # (n, c)
-        dh.addmm_(dlc, weight[v0:v0 + c]) if h.dtype == torch.float32 else dh.add_(dlc @ weight[v0:v0 + c])
-        torch.mm(dlc.t(), h, out=dw[v0:v0 + c])  # (c, n) @ (n, K)
-    return dh.to(h.dtype), dw, db_part.sum(0).to(bias.dtype)
-
-
-def _fwd_fake(h, weight, bias, labels):
-    return (h.new_empty((), dtype=torch.float32), h.new_empty((h.shape[0],), dtype=torch.float32),
-            h.new_empty((), dtype=torch.int64))
+    vp = weight.shape[0]
+    # d(mean)/d(row) = 1 / (rows with a label), times the incoming gradient: on the device, no count read back.
+    g = grad.reshape(()).to(torch.float32) / (labels >= 0).sum().clamp(min=1)
+    # g goes onto the small operands: dh after its GEMM, h before dweight's (in fp16, whose range g * h may leave,
+    # onto dweight after its GEMM instead).
+    hg = h if h.dtype == torch.float16 else (h * g).to(h.dtype)
+    if dl.shape[0] == n:  # kept from the forward
+        dh, dw, db = wgrad(dl.t(), weight, torch.float32), wgrad(dl, hg, torch.float32), bias_grad(dl, torch.float32)
+    else:
+        chunk = _chunk_rows(n, vp)
+        buf = torch.empty((chunk, vp), dtype=h.dtype, device=h.device)
+        dh = torch.empty((n, k), dtype=torch.float32, device=h.device)
+        dw = db = None
+        for r0 in range(0, n, chunk):
+            r1 = min(n, r0 + chunk)
+            d = _logit_grads(h[r0:r1], weight, bias, labels[r0:r1], vocab, buf[:r1 - r0])[0]
+            dh[r0:r1] = wgrad(d.t(), weight, torch.float32)
+            if dw is None:
+                dw, db = wgrad(d, hg[r0:r1], torch.float32), bias_grad(d, torch.float32)
+            else:
+                wgrad(d, hg[r0:r1], torch.float32, acc=dw)
+                db += bias_grad(d, torch.float32)
+    if h.dtype == torch.float16:
+        dw = dw * g
+    dh = (dh * g).to(h.dtype)
+    return dh, dw[:vocab].to(wdtype), (db[:vocab] * g).to(bdtype)
 
 
-def _bwd_fake(grad, h, weight, bias, labels, lse):
-    return torch.empty_like(h), torch.empty_like(weight), torch.empty_like(bias)
+def _fwd_fake(h, weight, bias, labels, vocab):
+    kept = _chunk_rows(h.shape[0], weight.shape[0]) == h.shape[0]
+    return (h.new_empty((), dtype=torch.float32), h.new_empty((), dtype=torch.int64),
+            h.new_empty((h.shape[0] if kept else 0, weight.shape[0])))
+
+
+def _bwd_fake(grad, h, weight, bias, labels, dl, vocab, wdtype, bdtype):
+    return (torch.empty_like(h), weight.new_empty((vocab, weight.shape[1]), dtype=wdtype),
+            bias.new_empty((vocab,), dtype=bdtype))
 
 
 _fwd_op = register_op(
     "linear_cross_entropy_fwd",
-    "(Tensor h, Tensor weight, Tensor bias, Tensor labels) -> (Tensor, Tensor, Tensor)",
+    "(Tensor h, Tensor weight, Tensor bias, Tensor labels, int vocab) -> (Tensor, Tensor, Tensor)",
     linear_cross_entropy_fwd, _fwd_fake)
 _bwd_op = register_op(
     "linear_cross_entropy_bwd",
-    "(Tensor grad, Tensor h, Tensor weight, Tensor bias, Tensor labels, Tensor lse) -> (Tensor, Tensor, Tensor)",
+    "(Tensor grad, Tensor h, Tensor weight, Tensor bias, Tensor labels, Tensor dl, int vocab, ScalarType wdtype, "
+    "ScalarType bdtype) -> (Tensor, Tensor, Tensor)",
     linear_cross_entropy_bwd, _bwd_fake)
 
 
 # ============================================================================= autograd + entry point
 class LinearCrossEntropyFn(torch.autograd.Function):
     """Mean cross-entropy of ``h @ weight.T + bias`` (the decoder) fused with the loss. The decoder runs in h's dtype
-    (the autocast dtype under torch.autocast): the parameters are cast inside (``weight_casts``), their gradients
-    returned in their own dtype."""
+    (the autocast dtype under torch.autocast): the parameters are cast inside, padded to ``padded_vocab`` rows
+    (``weight_casts``), their gradients returned in their own dtype."""
 
     @staticmethod
     def forward(ctx, h, weight, bias, labels):
-        w, b = weight_casts.cast(weight, h.dtype), weight_casts.cast(bias, h.dtype)
-        loss, lse, correct = _fwd_op(h, w, b, labels)
-        ctx.save_for_backward(h, w, b, labels, lse)
-        ctx.dtypes = weight.dtype, bias.dtype
+        vp = padded_vocab(weight.shape[0])
+        w, b = weight_casts.cast(weight, h.dtype, rows=vp), weight_casts.cast(bias, h.dtype, rows=vp)
+        loss, correct, dl = _fwd_op(h, w, b, labels, weight.shape[0])
+        ctx.save_for_backward(h, w, b, labels, dl)
+        ctx.vocab, ctx.dtypes = weight.shape[0], (weight.dtype, bias.dtype)
         ctx.mark_non_differentiable(correct)
         return loss, correct
 
     @staticmethod
     def backward(ctx, dloss, _dcorrect):
-        h, weight, bias, labels, lse = ctx.saved_tensors
-        dh, dw, db = _bwd_op(dloss, h, weight, bias, labels, lse)
-        return dh, dw.to(ctx.dtypes[0]), db.to(ctx.dtypes[1]), None
+        h, weight, bias, labels, dl = ctx.saved_tensors
+        dh, dw, db = _bwd_op(dloss, h, weight, bias, labels, dl, ctx.vocab, *ctx.dtypes)
+        return dh, dw, db, None
 
 
 def sparse_mlm_loss(hidden, labels, dense_weight, dense_bias, ln_weight, ln_bias, eps,

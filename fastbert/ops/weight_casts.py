@@ -37,24 +37,31 @@ class WeightCasts:
     """A parameter's copy in a dtype, per (parameter, dtype) first asked for while active."""
 
     def __init__(self):
-        self._copies: dict[tuple[int, torch.dtype], tuple[torch.nn.Parameter, torch.Tensor]] = {}
+        # (id(parameter), dtype, rows) -> (parameter, its copy); with rows, the copy is the first rows of a buffer
+        # padded with zero rows (kept in _padded), which is what get returns
+        self._copies: dict[tuple[int, torch.dtype, int | None], tuple[torch.nn.Parameter, torch.Tensor]] = {}
+        self._padded: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
         self._written: dict[int, int] = {}   # id(parameter) -> its version when an optimizer wrote its copy
         self.generation = 0   # moves whenever a copy is made or dropped: what copies_of gave may be stale
 
     def __len__(self) -> int:
         return len(self._copies)
 
-    def get(self, p: torch.nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
-        """``p``'s copy in ``dtype`` (made now if there is none, or if ``p`` changed shape or device since)."""
-        key = (id(p), dtype)
+    def get(self, p: torch.nn.Parameter, dtype: torch.dtype, rows: int | None = None) -> torch.Tensor:
+        """``p``'s copy in ``dtype`` (made now if there is none, or if ``p`` changed shape or device since); with
+        ``rows``, inside a buffer of that many rows whose rows past p's are zeros (:func:`padded`), which is
+        returned. The copy proper (the buffer's first rows) is what refresh and an optimizer write."""
+        key = (id(p), dtype, rows)
         hit = self._copies.get(key)  # the entry holds p: its id cannot be reused while the entry lives
         if hit is not None and _fits(*hit):
-            return hit[1]
+            return hit[1] if rows is None else self._padded[key]
         with torch.no_grad():
-            copy = p.detach().to(dtype, copy=True)
-        self._copies[key] = (p, copy)
+            whole = p.detach().to(dtype, copy=True) if rows is None else padded(p.detach(), dtype, rows)
+        if rows is not None:
+            self._padded[key] = whole
+        self._copies[key] = (p, whole[:p.shape[0]] if rows is not None else whole)
         self.generation += 1
-        return copy
+        return whole
 
     def copies_of(self, params) -> list:
         """Each parameter's copy where it has exactly one (in any dtype) that still fits it, else None: what an
@@ -83,6 +90,7 @@ class WeightCasts:
                 continue
             if not _fits(p, copy):
                 del self._copies[key]
+                self._padded.pop(key, None)
                 self.generation += 1
                 continue
             dst, src = groups.setdefault((p.device, p.dtype, copy.dtype), ([], []))
@@ -107,11 +115,22 @@ def enabled() -> bool:
     return os.environ.get("FASTBERT_WEIGHT_CASTS", "1") != "0"
 
 
-def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t.to(dtype)``; for a parameter while a :class:`WeightCasts` is active, its copy from there."""
-    if t.dtype == dtype:
+def padded(t: torch.Tensor, dtype: torch.dtype, rows: int) -> torch.Tensor:
+    """``t`` in ``dtype`` with zero rows appended up to ``rows`` rows (one cast-copy, one fill)."""
+    out = t.new_empty((rows, *t.shape[1:]), dtype=dtype)
+    out[:t.shape[0]].copy_(t)
+    out[t.shape[0]:].zero_()
+    return out
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype, rows: int | None = None) -> torch.Tensor:
+    """``t.to(dtype)``, with ``rows`` padded with zero rows to that many rows (:func:`padded`); for a parameter
+    while a :class:`WeightCasts` is active, its copy from there."""
+    if rows == t.shape[0]:
+        rows = None
+    if t.dtype == dtype and rows is None:
         return t
     casts = getattr(_state, "casts", None)
     if casts is not None and isinstance(t, torch.nn.Parameter) and not torch.compiler.is_compiling():
-        return casts.get(t, dtype)
-    return t.to(dtype)
+        return casts.get(t, dtype, rows)
+    return t.to(dtype) if rows is None else padded(t, dtype, rows)

@@ -1,7 +1,7 @@
 """benchmarks/e2e_train_step.py on the CPU: each contender, in its own worker process or all in one,
 starts from the same weights and batches (equal eval losses and input digests); a failed worker is
 reported and the others go on; fb-graphs' conversion of a benchmark batch into the pretrain loader's
-static-shape form gives the padded call's loss; --probe-order's report finds fastbert's autotuned kernels."""
+static-shape form gives the padded call's loss; --probe-order's report (no fastbert kernel autotunes)."""
 import importlib.util
 import json
 import subprocess
@@ -77,12 +77,14 @@ def test_packed_batch_gives_the_padded_loss(mode):
 
 
 def test_probe_report_without_a_gpu(capsys):
-    """--probe-order's GPU-free parts: the autotuned fastbert kernels are found, the two fb-triton runs
-    are put side by side (the GEMM probe and the runs themselves need a GPU)."""
+    """--probe-order's GPU-free parts: no fastbert kernel picks its launch configuration by timing at run time
+    (the MLM loss's Triton GEMMs, the last autotuned kernels, gave way to cuBLAS in the thirty-second session: a
+    speed that could depend on what ran before in the process, the issue's question), the two fb-triton runs are
+    put side by side (the GEMM probe and the runs themselves need a GPU)."""
     pytest.importorskip("triton")
     bench = load_bench()
     tuned = bench.autotuned_configs()
-    assert {"mlm_loss._lce_fwd_kernel", "mlm_loss._lce_bwd_kernel"} <= set(tuned)
+    assert tuned == {}
     state = bench.process_state()
     assert state["threads"] >= 1 and state["torch_threads"] == torch.get_num_threads()
     run = dict(contender="fb-triton", ms_per_step=85.0, issue_ms_per_step=60.0, gemm_tflops=700.0, **state,

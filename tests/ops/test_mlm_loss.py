@@ -82,9 +82,11 @@ def test_tanh_and_custom_ignore_index():
     check(30, 24, 100, torch.float32, approximate="tanh", ignore_index=-1)
 
 
-def test_backward_in_several_vocab_chunks(monkeypatch):
-    """Shrink the backward's chunk so the vocabulary is walked in 8 chunks (the last one partial)."""
-    monkeypatch.setattr(mlm, "_BWD_CHUNK_ELEMS", 1)
+@pytest.mark.parametrize("keep_elems", [1, 7 * 1024])
+def test_rows_in_chunks_recomputed_in_the_backward(monkeypatch, keep_elems):
+    """Shrink the kept buffer so the rows go in chunks (one row, or seven of 1,024 padded columns: the last chunk
+    partial) whose logits the backward recomputes."""
+    monkeypatch.setattr(mlm, "_KEEP_ELEMS", keep_elems)
     check(20, 32, 1000, torch.float32)
 
 
@@ -107,7 +109,9 @@ def test_custom_op_and_torch_compile():
     labels, params = make_inputs(10, 16, 70, torch.float32, frac=1.1)
     h = params["hidden"]
     w, b = params["decoder_weight"], params["decoder_bias"]
-    torch.library.opcheck(torch.ops.fastbert.linear_cross_entropy_fwd.default, (h, w, b, labels))
+    vp = mlm.padded_vocab(70)
+    torch.library.opcheck(torch.ops.fastbert.linear_cross_entropy_fwd.default,
+                          (h, mlm.weight_casts.padded(w, w.dtype, vp), mlm.weight_casts.padded(b, b.dtype, vp), labels, 70))
 
     def f(h, w, b):
         loss, correct = mlm.LinearCrossEntropyFn.apply(h, w, b, labels)
@@ -115,6 +119,33 @@ def test_custom_op_and_torch_compile():
 
     le = assert_compiled_matches_eager(f, (h, w, b))
     torch.testing.assert_close(le, F.cross_entropy(F.linear(h, w, b), labels))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_row_kernel_ties_padding_and_unlabelled_rows(dtype):
+    """``_logit_grads`` on logits set through the bias (h = 0): the log-sum-exp, the label's logit, the argmax at
+    the first of tied maxima (also when the tie spans two column blocks of the kernel), softmax - onehot in the
+    real columns, zeros in the padding and in rows without a label."""
+    v, k = 300, 16
+    vp = mlm.padded_vocab(v)
+    assert vp % 64 == 0 and vp >= v
+    bias = torch.randn(v, generator=torch.Generator().manual_seed(3)).clamp(-2, 2)
+    bias[[7, 40, 290]] = 5.0                                     # three tied maxima, across column blocks
+    h = torch.zeros((5, k), dtype=dtype, device=DEVICE)
+    w = mlm.weight_casts.padded(torch.randn(v, k), dtype, vp).to(DEVICE)
+    b = mlm.weight_casts.padded(bias, dtype, vp).to(DEVICE)
+    labels = torch.tensor([7, -1, 299, 0, 40], device=DEVICE)
+    dl, lse, lab, arg = mlm._logit_grads(h, w, b, labels, v)
+    logits = b[:v].float()
+    assert dl.shape == (5, vp) and dl.dtype == dtype
+    assert arg.tolist() == [7] * 5
+    torch.testing.assert_close(lse, torch.logsumexp(logits, 0).expand(5), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lab, torch.where(labels >= 0, logits[labels.clamp(min=0)], 0.0))
+    want = torch.softmax(logits, 0).expand(5, v) - F.one_hot(labels.clamp(min=0), v).float()
+    want[1] = 0.0
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(dl[:, :v].float(), want, rtol=0, atol=tol)
+    assert torch.count_nonzero(dl[:, v:]) == 0
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ from fastbert import BertConfig, BertForPreTraining
 from fastbert.data.static_batch import build_rows
 from fastbert.ops import weight_casts
 from fastbert.ops._common import INTERPRET, autocast_inputs
-from fastbert.ops.weight_casts import WeightCasts
+from fastbert.ops.weight_casts import WeightCasts, cast
 
 
 def test_a_parameter_is_cast_once_while_active_and_refreshed_in_place():
@@ -40,6 +40,24 @@ def test_a_parameter_is_cast_once_while_active_and_refreshed_in_place():
     with casts.active():
         c = weight_casts.cast(p, torch.float16)
     assert c is not a and torch.equal(c, p.detach().half())
+
+
+def test_padded_copies_keep_their_zero_rows_through_refresh_and_optimizer_writes():
+    """``cast(p, dtype, rows=...)`` (the MLM decoder's copy, padded to whole 64-column blocks): zeros past p's rows,
+    the copy made once while active, refreshed in place, and the copy an optimizer may write is p's rows alone."""
+    p = torch.nn.Parameter(torch.randn(5, 3))
+    assert torch.equal(cast(p, torch.float16, rows=8), torch.cat((p.detach().half(), torch.zeros(3, 3).half())))
+    assert cast(p, torch.float16, rows=5).shape == (5, 3)        # no padding asked: the plain cast
+    casts = WeightCasts()
+    with casts.active():
+        first = cast(p, torch.float16, rows=8)
+        assert cast(p, torch.float16, rows=8) is first and len(casts) == 1
+    with torch.no_grad():
+        p.mul_(2)
+    casts.refresh()
+    assert torch.equal(first[:5], p.detach().half()) and torch.count_nonzero(first[5:]) == 0
+    (copy,) = casts.copies_of([p])
+    assert copy.shape == p.shape and copy.data_ptr() == first.data_ptr()
 
 
 def test_autocast_inputs_take_the_active_copies():
@@ -117,7 +135,8 @@ def test_training_with_the_copies_is_bit_identical_and_needs_the_refresh(form):
     ref_losses, ref_params = _train(copy.deepcopy(base), batches)
     casts, model = WeightCasts(), copy.deepcopy(base)
     losses, params = _train(model, batches, casts)
-    took = {n for n, p in model.named_parameters() if (id(p), torch.float16) in casts._copies}
+    taken = {key[:2] for key in casts._copies}  # (id(parameter), dtype[, rows])
+    took = {n for n, p in model.named_parameters() if (id(p), torch.float16) in taken}
     # the fused ops took their copies: the second layer's QKV projection + attention, FFN, output projection
     assert {f"bert.encoder.layer.1.{k}" for k in ("attention.self.qkv.weight", "intermediate.dense.weight",
                                                    "output.dense.weight", "attention.output.dense.weight")} <= took
