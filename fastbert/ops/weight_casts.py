@@ -16,6 +16,10 @@ An optimizer that writes the copies itself as it updates the weights (``training
 ``ops/adamw.py``) takes them with :meth:`WeightCasts.copies_of` and says so with :meth:`WeightCasts.written`: the
 next refresh skips those copies, unless the weight changed again since (its autograd version moved: a checkpoint
 load, any in-place op on it), and forgets the marks, so later refreshes copy everything again.
+
+A copy may be asked for padded with zero rows (``cast(p, dtype, rows=...)``: the MLM decoder's, to a whole number of
+64-row blocks, ``ops/mlm_loss.py``): the op gets the whole padded buffer; refresh and the optimizer write its first
+rows, the copy proper, and the zero rows stay.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ def _fits(p: torch.nn.Parameter, copy: torch.Tensor) -> bool:
 
 
 class WeightCasts:
-    """A parameter's copy in a dtype, per (parameter, dtype) first asked for while active."""
+    """A parameter's copy in a dtype, per (parameter, dtype, padded rows or None) first asked for while active."""
 
     def __init__(self):
         # (id(parameter), dtype, rows) -> (parameter, its copy); with rows, the copy is the first rows of a buffer

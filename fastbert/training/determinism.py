@@ -14,8 +14,9 @@ What it sets, before any CUDA work:
   while deterministic algorithms are enabled; ``check_ops`` reports whether the table in use does.
 
 Unaffected and already deterministic: the data order, masking and dropout RNGs (seeded per rank),
-the other Triton kernels (no atomics; LayerNorm partial sums are reduced in a fixed order; the MLM
-loss's row kernel reduces each row in one program), and NCCL/gloo reductions for a fixed rank count and topology.
+the other Triton kernels (no atomics; LayerNorm partial sums are reduced in a fixed order, the MLM
+loss's row kernel reduces each row in one program), and NCCL/gloo reductions for a fixed rank count
+and topology.
 """
 from __future__ import annotations
 

@@ -110,8 +110,9 @@ def test_custom_op_and_torch_compile():
     h = params["hidden"]
     w, b = params["decoder_weight"], params["decoder_bias"]
     vp = mlm.padded_vocab(70)
+    padded = mlm.weight_casts.padded
     torch.library.opcheck(torch.ops.fastbert.linear_cross_entropy_fwd.default,
-                          (h, mlm.weight_casts.padded(w, w.dtype, vp), mlm.weight_casts.padded(b, b.dtype, vp), labels, 70))
+                          (h, padded(w, w.dtype, vp), padded(b, b.dtype, vp), labels, 70))
 
     def f(h, w, b):
         loss, correct = mlm.LinearCrossEntropyFn.apply(h, w, b, labels)
