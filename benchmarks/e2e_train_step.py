@@ -28,7 +28,8 @@ parent warns if they differ. A failed worker is reported with its stderr tail; t
 --probe-order looks for the cause of that slowdown, in one process: fb-triton, hf-compile, fb-triton,
 recording before each run a cuBLAS bf16 GEMM's TFLOP/s (a throttled clock shows there), torch's thread
 count, live child processes (Inductor keeps a compile-worker pool) and this process's threads, and
-after it the host time to issue a step and the configs Triton's autotuner chose for fastbert's kernels.
+after it the host time to issue a step and the configs Triton's autotuner chose for fastbert's kernels (none
+since the thirty-second session: no fastbert kernel autotunes, so the row reads "0 entries").
 Prints the two fb-triton runs side by side; writes e2e_probe_<preset>_s<seq>_b<batch>_<mode>.json.
 
 --device cpu is a smoke test of the plumbing: fp32 (no autocast), wall-clock timing, only the
