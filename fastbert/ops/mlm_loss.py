@@ -10,7 +10,7 @@ Static shapes (``positions`` given): ``labels`` is then ``(slots,)``, the target
 batch (the masking collator's capacity), so nothing waits on the device: no ``nonzero``, no check
 of label values, the same kernel shapes every step (tuned once, capturable in a CUDA graph).
 
-This file holds the plain-PyTorch reference first, then the Triton kernels, host wrappers
+This file holds the plain-PyTorch reference first, then the Triton kernel and host wrappers
 (``linear_cross_entropy_fwd`` / ``_bwd``, registered as ``torch.ops.fastbert`` custom ops), the
 ``autograd.Function`` and the functional entry point ``sparse_mlm_loss``.
 """
@@ -159,6 +159,15 @@ def _chunk_rows(n: int, vp: int) -> int:
     return n if n * vp <= _KEEP_ELEMS else max(1, _KEEP_ELEMS // vp)
 
 
+def _row_chunks(h, weight, bias, labels, vocab: int, chunk: int):
+    """``(r0, r1, d(logits), lse, label logit, argmax)`` of rows [r0, r1) of ``h``, ``chunk`` rows at a time
+    (:func:`_logit_grads` into one buffer, reused: each chunk's d(logits) is gone once the next is made)."""
+    buf = torch.empty((chunk, weight.shape[0]), dtype=h.dtype, device=h.device)
+    for r0 in range(0, h.shape[0], chunk):
+        r1 = min(h.shape[0], r0 + chunk)
+        yield (r0, r1, *_logit_grads(h[r0:r1], weight, bias, labels[r0:r1], vocab, buf[:r1 - r0]))
+
+
 def linear_cross_entropy_fwd(h, weight, bias, labels, vocab: int):
     """Mean cross-entropy of ``h @ weight.T + bias`` (``weight`` ``(VP, K)`` and ``bias`` ``(VP,)`` padded with
     zeros past ``vocab``) against ``labels``; rows with a negative label are left out of the mean (0 when none is
@@ -167,12 +176,10 @@ def linear_cross_entropy_fwd(h, weight, bias, labels, vocab: int):
     n = h.shape[0]
     vp = weight.shape[0]
     chunk = _chunk_rows(n, vp)
-    if n == 0 or chunk == n:
+    if chunk == n:
         dl, lse, lab, arg = _logit_grads(h, weight, bias, labels, vocab)
     else:
-        buf = torch.empty((chunk, vp), dtype=h.dtype, device=h.device)
-        parts = [_logit_grads(h[r0:r0 + chunk], weight, bias, labels[r0:r0 + chunk], vocab,
-                              buf[:min(chunk, n - r0)])[1:] for r0 in range(0, n, chunk)]
+        parts = [rest for _, _, _, *rest in _row_chunks(h, weight, bias, labels, vocab, chunk)]
         lse, lab, arg = (torch.cat(t) for t in zip(*parts))
         dl = h.new_empty((0, vp))
     valid = labels >= 0
@@ -195,13 +202,9 @@ def linear_cross_entropy_bwd(grad, h, weight, bias, labels, dl, vocab: int, wdty
     if dl.shape[0] == n:  # kept from the forward
         dh, dw, db = wgrad(dl.t(), weight, torch.float32), wgrad(dl, hg, torch.float32), bias_grad(dl, torch.float32)
     else:
-        chunk = _chunk_rows(n, vp)
-        buf = torch.empty((chunk, vp), dtype=h.dtype, device=h.device)
         dh = torch.empty((n, k), dtype=torch.float32, device=h.device)
         dw = db = None
-        for r0 in range(0, n, chunk):
-            r1 = min(n, r0 + chunk)
-            d = _logit_grads(h[r0:r1], weight, bias, labels[r0:r1], vocab, buf[:r1 - r0])[0]
+        for r0, r1, d, *_ in _row_chunks(h, weight, bias, labels, vocab, _chunk_rows(n, vp)):
             dh[r0:r1] = wgrad(d.t(), weight, torch.float32)
             if dw is None:
                 dw, db = wgrad(d, hg[r0:r1], torch.float32), bias_grad(d, torch.float32)
