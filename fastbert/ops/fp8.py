@@ -20,7 +20,8 @@ backward needs (``x^T`` for the weight gradient, ``W^T`` for the input gradient,
 saved activation is the 1-byte transposed copy, not the 16-bit input. GEMM dimensions must be
 multiples of 16; a call whose shapes are not (a padded batch's odd token count) runs ``F.linear``.
 
-The casts are a Triton kernel on CUDA (one pass: scale from the history, cast, transpose, amax) and
+The casts are a Triton kernel on CUDA (one pass: scale from the history, cast, transpose, amax; each program
+walks its tiles in a software-pipelined loop, the next tile's loads in flight while this one is cast) and
 the plain-PyTorch reference ``cast_fp8_ref`` elsewhere; ``_scaled_mm`` also runs on the CPU (slowly),
 which is what the tests use (the kernel itself is tested against the reference in the interpreter).
 The kernel reads its source once, weights included (fp32 masters), and moves the transpose between threads
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 
 from fastbert.ops import cublaslt, grad_accum
 from fastbert.ops._common import (
-    HAS_TRITON, INTERPRET, autocast_dtype, cdiv, column_sums, fast_launch, tl, triton)
+    HAS_TRITON, INTERPRET, autocast_dtype, cdiv, column_sums, fast_launch, num_sms, tl, triton)
 from fastbert.ops.ffn import gelu, gelu_grad, gelu_grad_ref
 
 HISTORY = 16
@@ -147,14 +148,14 @@ def finite_amax_of(a):
 
 
 @triton.jit
-def _store_words_t(YT, codes, cols, ci, M, N, BLOCK_M: tl.constexpr):
-    """Store the transpose of the int32 codes tile ``codes`` (rows ``program_id(0) * BLOCK_M + [0, BLOCK_M)``,
+def _store_words_t(YT, codes, row_tile, cols, ci, M, N, BLOCK_M: tl.constexpr):
+    """Store the transpose of the int32 codes tile ``codes`` (rows ``row_tile * BLOCK_M + [0, BLOCK_M)``,
     columns ``cols``; ``ci``: them as offsets) into YT, the ``(N, ceil(M / 4))`` int32 words holding four rows
     of the source each: the transpose moves 32-bit values between threads, and a column's bytes go out as whole
     words."""
     shifts = tl.arange(0, 4) * 8
     words = tl.sum(tl.reshape(tl.trans(codes), (codes.shape[1], BLOCK_M // 4, 4)) << shifts[None, None, :], axis=2)
-    wi = tl.program_id(0) * (BLOCK_M // 4) + tl.arange(0, BLOCK_M // 4)
+    wi = row_tile * (BLOCK_M // 4) + tl.arange(0, BLOCK_M // 4)
     words_m = (M + 3) // 4
     tl.store(YT + ci[:, None] * words_m + wi[None, :], words, mask=(cols[:, None] < N) & (wi[None, :] < words_m))
 
@@ -167,19 +168,22 @@ def _transpose_codes_kernel(X, YT, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     codes = tl.load(X + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0).to(tl.int32)
-    _store_words_t(YT, codes, cols, cols.to(tl.int64), M, N, BLOCK_M)
+    _store_words_t(YT, codes, tl.program_id(0), cols, cols.to(tl.int64), M, N, BLOCK_M)
 
 
 @fast_launch
 @triton.jit
-def _cast_fp8_kernel(X, Z, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm, stride_zm,
+def _cast_fp8_kernel(X, Z, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm, stride_zm, tiles_n, num_tiles,
                      FP8_MAX: tl.constexpr, E5M2: tl.constexpr, HW: tl.constexpr, HISTORY_LEN: tl.constexpr,
                      PRE: tl.constexpr, APPROX_TANH: tl.constexpr, WITH_COLSUM: tl.constexpr, WIDE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One (BLOCK_M, BLOCK_N) tile: scale from the history row's previous slots, cast, store the tile
-    and its transpose, fold the tile's finite amax into the current slot; with WITH_COLSUM also the
-    tile's fp32 column sums (a bias gradient, reduced over row tiles by the caller). What is cast
-    (``pre_op_ref``): PRE 0 ``x``, 1 ``gelu(x)``, 2 ``x * gelu'(z)``.
+                     STAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) tiles ``program_id, program_id + programs, ...`` of the ``num_tiles`` (row-major over
+    ``tiles_n`` column tiles): scale from the history row's previous slots, then per tile cast, store the tile and
+    its transpose, and with WITH_COLSUM the tile's fp32 column sums (a bias gradient: a row of partial sums a row
+    tile, reduced by the caller); the tiles' finite amax goes into the current slot at the end, one relaxed atomic
+    max a program (nothing reads the slot before the next kernel). The loop is software-pipelined (STAGES): the
+    next tile's loads are in flight while this one is cast. What is cast (``pre_op_ref``): PRE 0 ``x``, 1
+    ``gelu(x)``, 2 ``x * gelu'(z)``.
 
     The source is read once and the pre-op computed once. ``Y`` is the (M, N) result as bytes; ``YT`` the
     transpose as int32 words, four rows of the source in each (its rows padded to a multiple of 4 bytes):
@@ -187,34 +191,43 @@ def _cast_fp8_kernel(X, Z, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm
     fp8 tiles wrongly on an H100 for fp32 sources and after the GELU-derivative pre-op, scripts/fp8_diag.py).
     Offsets are 32-bit (fewer registers) unless WIDE: a tensor of 2**31 elements or more."""
     scale, cur = history_scale(HIST, STEP, HISTORY_LEN, FP8_MAX)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    ri = rows.to(tl.int64) if WIDE else rows
-    ci = cols.to(tl.int64) if WIDE else cols
-    x = _pre_op(X, Z, ri[:, None], ci[None, :], mask, stride_xm, stride_zm, PRE, APPROX_TANH, 2 if HW else 1)
-    codes = _fp8_codes(x * scale, FP8_MAX, E5M2, HW)  # masked-off elements: 0
-    tl.store(Y + ri[:, None] * N + ci[None, :], codes.to(tl.uint8), mask=mask)
-    _store_words_t(YT, codes, cols, ci, M, N, BLOCK_M)
-    tl.atomic_max(HIST + cur, finite_amax_of(tl.abs(x)))
-    if WITH_COLSUM:
-        tl.store(COLSUM + tl.program_id(0) * N + ci, tl.sum(x, axis=0), mask=cols < N)
-    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+    amax = tl.zeros((), dtype=tl.float32)
+    for t in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), num_stages=STAGES):
+        tm = t // tiles_n
+        rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = (t - tm * tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        ri = rows.to(tl.int64) if WIDE else rows
+        ci = cols.to(tl.int64) if WIDE else cols
+        x = _pre_op(X, Z, ri[:, None], ci[None, :], mask, stride_xm, stride_zm, PRE, APPROX_TANH, 2 if HW else 1)
+        codes = _fp8_codes(x * scale, FP8_MAX, E5M2, HW)  # masked-off elements: 0
+        tl.store(Y + ri[:, None] * N + ci[None, :], codes.to(tl.uint8), mask=mask)
+        _store_words_t(YT, codes, tm, cols, ci, M, N, BLOCK_M)
+        amax = tl.maximum(amax, finite_amax_of(tl.abs(x)))
+        if WITH_COLSUM:
+            tl.store(COLSUM + tm * N + ci, tl.sum(x, axis=0), mask=cols < N)
+    tl.atomic_max(HIST + cur, amax, sem="relaxed")
+    if tl.program_id(0) == 0:
         tl.store(SCALE_INV, tl.math.div_rn(tl.full((), 1.0, tl.float32), scale))
 
 
-# (BLOCK_M, BLOCK_N, num_warps) of the cast on a GPU per pre-op (none, GELU, GELU's derivative): an H100 sweep,
-# benchmarks/RESULTS.md; tensors of at least _WIDE elements index in 64 bits
-CAST_TILES = {0: (64, 64, 4), 1: (32, 128, 4), 2: (64, 64, 4)}
+# (BLOCK_M, BLOCK_N, num_warps, pipeline stages, programs an SM) of the cast on a GPU: per (pre-op, column sums)
+# for 16-bit sources (pre-op none, GELU, GELU's derivative), one launch for fp32 sources (the weights' masters,
+# which lose from pipelining: a 64 x 64 fp32 stage in flight takes registers from the cast); an H200 sweep,
+# benchmarks/RESULTS.md (thirty-third session). Tensors of at least _WIDE elements index in 64 bits.
+CAST_LAUNCH = {(0, False): (64, 64, 4, 3, 4), (0, True): (128, 64, 4, 3, 4), (1, False): (32, 128, 4, 3, 8),
+               (1, True): (32, 128, 4, 3, 8), (2, False): (128, 64, 4, 3, 6), (2, True): (128, 64, 4, 3, 6)}
+CAST_LAUNCH_FP32 = (64, 64, 4, 1, 8)
 _WIDE = 2**31
 
 
 def cast_fp8_triton(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torch.dtype, colsum: bool = False,
-                    gelu: str | None = None, z: torch.Tensor | None = None, tile: tuple | None = None):
-    """``cast_fp8_ref`` of ``pre_op_ref(x, gelu, z)`` in one kernel pass (the tile's amax goes in with an
+                    gelu: str | None = None, z: torch.Tensor | None = None, launch: tuple | None = None):
+    """``cast_fp8_ref`` of ``pre_op_ref(x, gelu, z)`` in one kernel pass (the tiles' amax goes in with an
     atomic max); with ``colsum`` also its column sums in fp32 (per row tile, then ``column_sums``: deterministic),
-    else None. ``tile``: (BLOCK_M, BLOCK_N, num_warps); default ``CAST_TILES`` of the pre-op (32 x 32 x 4 in the
-    interpreter)."""
+    else None. ``launch``: (BLOCK_M, BLOCK_N, num_warps, stages, programs an SM); default ``CAST_LAUNCH`` of the
+    pre-op and ``colsum`` (fp32 sources: ``CAST_LAUNCH_FP32``; the interpreter: 32 x 32 tiles, 4 warps, one
+    stage, 8 programs an SM, where num_sms is 2)."""
     m, n = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -225,15 +238,20 @@ def cast_fp8_triton(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torc
     x8t = torch.empty((n, m4), dtype=dtype, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     pre = 0 if gelu is None else (1 if z is None else 2)
-    block_m, block_n, warps = tile or ((32, 32, 4) if INTERPRET else CAST_TILES[pre])
-    grid = (cdiv(m, block_m), cdiv(n, block_n))
-    parts = torch.empty((grid[0], n) if colsum else (0,), dtype=torch.float32, device=x.device)
+    if launch is None:
+        launch = ((32, 32, 4, 1, 8) if INTERPRET else
+                  CAST_LAUNCH_FP32 if x.dtype == torch.float32 else CAST_LAUNCH[pre, colsum])
+    block_m, block_n, warps, stages, per_sm = launch
+    tiles_m, tiles_n = cdiv(m, block_m), cdiv(n, block_n)
+    parts = torch.empty((tiles_m, n) if colsum else (0,), dtype=torch.float32, device=x.device)
     wide = m4 * max(n, x.stride(0), z.stride(0) if z is not None else 0) >= _WIDE
-    _cast_fp8_kernel[grid](x, z if z is not None else x, x8.view(torch.uint8), x8t.view(torch.int32),
-                           history.amax[row], history.step, scale_inv, parts, m, n, x.stride(0),
-                           z.stride(0) if z is not None else 0, FP8_MAX=FP8_MAX[dtype], E5M2=dtype == E5M2,
-                           HW=not INTERPRET, HISTORY_LEN=HISTORY, PRE=pre, APPROX_TANH=gelu == "tanh",
-                           WITH_COLSUM=colsum, WIDE=wide, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+    programs = max(1, min(tiles_m * tiles_n, num_sms(x.device) * per_sm))
+    _cast_fp8_kernel[(programs,)](x, z if z is not None else x, x8.view(torch.uint8), x8t.view(torch.int32),
+                                  history.amax[row], history.step, scale_inv, parts, m, n, x.stride(0),
+                                  z.stride(0) if z is not None else 0, tiles_n, tiles_m * tiles_n,
+                                  FP8_MAX=FP8_MAX[dtype], E5M2=dtype == E5M2, HW=not INTERPRET, HISTORY_LEN=HISTORY,
+                                  PRE=pre, APPROX_TANH=gelu == "tanh", WITH_COLSUM=colsum, WIDE=wide,
+                                  STAGES=stages, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
     if m4 != m:  # rows that are not whole words (never in the model: its GEMM dimensions are multiples of 16)
         x8t = x8t[:, :m].contiguous()
     return x8, x8t, scale_inv, column_sums(parts) if colsum else None

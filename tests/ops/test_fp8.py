@@ -42,10 +42,16 @@ def fresh_history(rows=3):
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("src", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", [(37, 70), (64, 32), (1, 130)])
-def test_cast_kernel_matches_reference(shape, src, dtype, wide, monkeypatch):
-    """Also through the 64-bit indexing that tensors of 2**31 elements or more take (forced here)."""
+@pytest.mark.parametrize("looping", [False, True], ids=["tile_a_program", "one_program"])
+def test_cast_kernel_matches_reference(shape, src, dtype, wide, looping, monkeypatch):
+    """Also through the 64-bit indexing that tensors of 2**31 elements or more take (forced here), and with one
+    program that walks every tile in its pipelined loop (the amax and column sums gathered across tiles)."""
     if wide:
         monkeypatch.setattr(fp8_module, "_WIDE", 0)
+    launch = None
+    if looping:
+        monkeypatch.setattr(fp8_module, "num_sms", lambda device: 1)
+        launch = (32, 32, 4, 2, 1)  # 32 x 32 tiles, 2 stages, 1 program an SM
     g = torch.Generator().manual_seed(shape[0] * 131 + shape[1])
     x = (torch.randn(*shape, generator=g) * 3).to(DEVICE, src)
     x[0, 0] = float("inf")  # left out of the amax, saturates in the cast
@@ -55,7 +61,7 @@ def test_cast_kernel_matches_reference(shape, src, dtype, wide, monkeypatch):
         h.amax[0, 0] = 5.0
         h.amax[0, 1] = 123.0  # the current slot's old value (advance zeroed it) must not count
         h.amax[0, 1] = 0.0
-    k8, kt, ks, kcol = cast_fp8_triton(x, hk, 0, dtype, colsum=True)
+    k8, kt, ks, kcol = cast_fp8_triton(x, hk, 0, dtype, colsum=True, launch=launch)
     r8, rt, rs = cast_fp8_ref(x, hr, 0, dtype)
     assert k8.dtype == dtype and k8.shape == shape and kt.shape == shape[::-1]
     assert ks.item() == rs.item()  # IEEE division in both: the same scale to the bit, so the same fp8 values
