@@ -55,7 +55,8 @@ CUTLASS_HOST_DEVICE float ptx_approx(float x) {
 #endif
 }
 
-// erf(x), and exp(-x^2) in `gauss` (fastbert/ops/ffn.py's _erf_fast, the same formula).
+// erf(x), and exp(-x^2) in `gauss`: Abramowitz & Stegun 7.1.26, the polynomial of fastbert/ops/ffn.py's _half_erfc
+// (which takes z = sqrt(2) x, folds a sign and 0.5 into the coefficients and returns 0.5 erfc(|x|)).
 CUTLASS_HOST_DEVICE float erf_fast(float x, float& gauss) {
   float t = ptx_approx<true>(fmaf(0.3275911f, fabsf(x), 1.0f));
   float p = t * fmaf(t, fmaf(t, fmaf(t, fmaf(t, 1.061405429f, -1.453152027f), 1.421413741f), -0.284496736f),

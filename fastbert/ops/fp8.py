@@ -25,8 +25,8 @@ walks its tiles in a software-pipelined loop, the next tile's loads in flight wh
 the plain-PyTorch reference ``cast_fp8_ref`` elsewhere; ``_scaled_mm`` also runs on the CPU (slowly),
 which is what the tests use (the kernel itself is tested against the reference in the interpreter).
 The kernel reads its source once, weights included (fp32 masters), and moves the transpose between threads
-as 32-bit words of four fp8 codes; the GELU casts, which issue more instructions than their bytes take to
-move, use a one-polynomial erf (``ffn._erf_fast``).
+as a uint8 tile (the GELU cast: as 32-bit words of four fp8 codes); the GELU casts, which issue about as many
+instructions as their bytes take to move, use a one-polynomial erf (``ffn._half_erfc``).
 """
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def cast_fp8_ref(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torch.d
 @triton.jit
 def _pre_op(X, Z, r, c, mask, stride_xm, stride_zm, PRE: tl.constexpr, APPROX_TANH: tl.constexpr, ERF: tl.constexpr):
     """What the cast casts at rows ``r`` x columns ``c`` (broadcast index tensors), in fp32: ``pre_op_ref``, with
-    the exact GELU's erf from ``ffn._erf_fast`` (ERF 1 or 2: 1.5e-7 from libdevice's, far below fp8's rounding)."""
+    the exact GELU's erf from ``ffn._half_erfc`` (ERF 1 or 2: 1.5e-7 from libdevice's, far below fp8's rounding)."""
     x = tl.load(X + r * stride_xm + c, mask=mask, other=0.0).to(tl.float32)
     if PRE == 1:
         x = gelu(x, APPROX_TANH, ERF)
@@ -126,6 +126,18 @@ def _fp8_codes(v, FP8_MAX: tl.constexpr, E5M2: tl.constexpr, HW: tl.constexpr):
         h = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         return (h + 0x7F + ((h >> 8) & 1)) >> 8
     return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+
+
+@triton.jit
+def _fp8_bytes(v, FP8_MAX: tl.constexpr, E5M2: tl.constexpr, HW: tl.constexpr):
+    """:func:`_fp8_codes` as uint8: on a GPU four conversions a 32-bit register (two ``cvt ... x2`` and a move:
+    ~0.75 instructions an element, where the int32 codes take two and their packing into bytes one more)."""
+    if HW:
+        fmt: tl.constexpr = "e5m2x2" if E5M2 else "e4m3x2"
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite." + fmt + ".f32 lo, $2, $1; cvt.rn.satfinite." + fmt
+            + ".f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [v], dtype=tl.uint8, is_pure=True, pack=4)
+    return _fp8_codes(v, FP8_MAX, E5M2, HW).to(tl.uint8)
 
 
 @triton.jit
@@ -163,12 +175,15 @@ def _store_words_t(YT, codes, row_tile, cols, ci, M, N, BLOCK_M: tl.constexpr):
 @fast_launch
 @triton.jit
 def _transpose_codes_kernel(X, YT, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """YT = the transpose of the fp8 codes X ``(M, N)`` (bytes), as ``_store_words_t``'s words."""
+    """YT = the transpose of the fp8 codes X ``(M, N)``, both as bytes (YT's rows padded to a multiple of 4): the
+    uint8 tile goes through the compiler's layout conversion (the cast's BYTE_T)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    codes = tl.load(X + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0).to(tl.int32)
-    _store_words_t(YT, codes, tl.program_id(0), cols, cols.to(tl.int64), M, N, BLOCK_M)
+    m4 = (M + 3) // 4 * 4
+    codes = tl.load(X + rows.to(tl.int64)[:, None] * N + cols[None, :],
+                    mask=(rows[:, None] < M) & (cols[None, :] < N), other=0)
+    tl.store(YT + cols.to(tl.int64)[:, None] * m4 + rows[None, :], tl.trans(codes),
+             mask=(cols[:, None] < N) & (rows[None, :] < m4))
 
 
 @fast_launch
@@ -176,7 +191,7 @@ def _transpose_codes_kernel(X, YT, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
 def _cast_fp8_kernel(X, Z, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm, stride_zm, tiles_n, num_tiles,
                      FP8_MAX: tl.constexpr, E5M2: tl.constexpr, HW: tl.constexpr, HISTORY_LEN: tl.constexpr,
                      PRE: tl.constexpr, APPROX_TANH: tl.constexpr, WITH_COLSUM: tl.constexpr, WIDE: tl.constexpr,
-                     STAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     BYTE_T: tl.constexpr, STAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """(BLOCK_M, BLOCK_N) tiles ``program_id, program_id + programs, ...`` of the ``num_tiles`` (row-major over
     ``tiles_n`` column tiles): scale from the history row's previous slots, then per tile cast, store the tile and
     its transpose, and with WITH_COLSUM the tile's fp32 column sums (a bias gradient: a row of partial sums a row
@@ -185,13 +200,19 @@ def _cast_fp8_kernel(X, Z, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm
     next tile's loads are in flight while this one is cast. What is cast (``pre_op_ref``): PRE 0 ``x``, 1
     ``gelu(x)``, 2 ``x * gelu'(z)``.
 
-    The source is read once and the pre-op computed once. ``Y`` is the (M, N) result as bytes; ``YT`` the
-    transpose as int32 words, four rows of the source in each (its rows padded to a multiple of 4 bytes):
-    the transpose moves 32-bit codes and words between threads, never fp8 values (Triton 3.6 moved transposed
-    fp8 tiles wrongly on an H100 for fp32 sources and after the GELU-derivative pre-op, scripts/fp8_diag.py).
+    The source is read once from memory and the pre-op computed once. ``Y`` is the (M, N) result as bytes; ``YT``
+    the transpose, its rows padded to a multiple of 4 bytes, written one of two ways. BYTE_T: the codes as a uint8
+    tile (``_fp8_bytes``), stored transposed; the compiler moves the uint8 codes between threads (fp32 sources,
+    GELU's derivative), or converts the source tile and casts it again in the transposed layout (unpipelined
+    16-bit sources), or re-reads it from the pipeline's shared-memory stage (pipelined ones: ``CAST_LAUNCH`` says
+    which pays). Otherwise the int32 codes go into 32-bit words of four source rows, which ``_store_words_t``
+    transposes (GELU, whose arithmetic the compiler would repeat in the second layout). Neither moves fp8-typed
+    values between threads (Triton 3.6 moved transposed fp8 tiles wrongly on an H100 for fp32 sources and after the
+    GELU-derivative pre-op, scripts/fp8_diag.py; 8-bit integer tiles are not affected, triton-lang/triton#11111).
     Offsets are 32-bit (fewer registers) unless WIDE: a tensor of 2**31 elements or more."""
     scale, cur = history_scale(HIST, STEP, HISTORY_LEN, FP8_MAX)
     amax = tl.zeros((), dtype=tl.float32)
+    m4 = (M + 3) // 4 * 4  # YT's row length in bytes
     for t in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), num_stages=STAGES):
         tm = t // tiles_n
         rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -200,9 +221,15 @@ def _cast_fp8_kernel(X, Z, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm
         ri = rows.to(tl.int64) if WIDE else rows
         ci = cols.to(tl.int64) if WIDE else cols
         x = _pre_op(X, Z, ri[:, None], ci[None, :], mask, stride_xm, stride_zm, PRE, APPROX_TANH, 2 if HW else 1)
-        codes = _fp8_codes(x * scale, FP8_MAX, E5M2, HW)  # masked-off elements: 0
-        tl.store(Y + ri[:, None] * N + ci[None, :], codes.to(tl.uint8), mask=mask)
-        _store_words_t(YT, codes, tm, cols, ci, M, N, BLOCK_M)
+        if BYTE_T:  # masked-off elements: 0
+            codes = _fp8_bytes(x * scale, FP8_MAX, E5M2, HW)
+            tl.store(Y + ri[:, None] * N + ci[None, :], codes, mask=mask)
+            tl.store(YT + ci[:, None] * m4 + ri[None, :], tl.trans(codes),
+                     mask=(cols[:, None] < N) & (rows[None, :] < m4))
+        else:
+            codes = _fp8_codes(x * scale, FP8_MAX, E5M2, HW)
+            tl.store(Y + ri[:, None] * N + ci[None, :], codes.to(tl.uint8), mask=mask)
+            _store_words_t(YT, codes, tm, cols, ci, M, N, BLOCK_M)
         amax = tl.maximum(amax, finite_amax_of(tl.abs(x)))
         if WITH_COLSUM:
             tl.store(COLSUM + tm * N + ci, tl.sum(x, axis=0), mask=cols < N)
@@ -211,13 +238,17 @@ def _cast_fp8_kernel(X, Z, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm
         tl.store(SCALE_INV, tl.math.div_rn(tl.full((), 1.0, tl.float32), scale))
 
 
-# (BLOCK_M, BLOCK_N, num_warps, pipeline stages, programs an SM) of the cast on a GPU: per (pre-op, column sums)
-# for 16-bit sources (pre-op none, GELU, GELU's derivative), one launch for fp32 sources (the weights' masters,
-# which lose from pipelining: a 64 x 64 fp32 stage in flight takes registers from the cast); an H200 sweep,
-# benchmarks/RESULTS.md (thirty-third session). Tensors of at least _WIDE elements index in 64 bits.
-CAST_LAUNCH = {(0, False): (64, 64, 4, 3, 4), (0, True): (128, 64, 4, 3, 4), (1, False): (32, 128, 4, 3, 8),
-               (1, True): (32, 128, 4, 3, 8), (2, False): (128, 64, 4, 3, 6), (2, True): (128, 64, 4, 3, 6)}
-CAST_LAUNCH_FP32 = (64, 64, 4, 1, 8)
+# (BLOCK_M, BLOCK_N, num_warps, pipeline stages, programs an SM, BYTE_T) of the cast on a GPU: per (pre-op, column
+# sums) for 16-bit sources (pre-op none, GELU, GELU's derivative), one launch for fp32 sources (the weights' masters,
+# which lose from pipelining: a 64 x 64 fp32 stage in flight takes registers from the cast); H200 sweeps,
+# benchmarks/RESULTS.md (thirty-third and thirty-fourth sessions). BYTE_T (the kernel's two ways to the transpose)
+# pays everywhere but GELU (computed twice with it): plain 16-bit casts take it unpipelined, where the compiler
+# converts the source tile through swizzled shared memory; pipelined, it re-reads the cp.async stage down its
+# columns instead (bank conflicts: 2x slower). Tensors of at least _WIDE elements index in 64 bits.
+CAST_LAUNCH = {(0, False): (64, 128, 4, 1, 8, True), (0, True): (128, 64, 4, 1, 8, True),
+               (1, False): (32, 128, 4, 3, 8, False), (1, True): (32, 128, 4, 3, 8, False),
+               (2, False): (128, 64, 4, 2, 4, True), (2, True): (128, 64, 4, 2, 4, True)}
+CAST_LAUNCH_FP32 = (64, 64, 4, 1, 8, True)
 _WIDE = 2**31
 
 
@@ -225,9 +256,9 @@ def cast_fp8_triton(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torc
                     gelu: str | None = None, z: torch.Tensor | None = None, launch: tuple | None = None):
     """``cast_fp8_ref`` of ``pre_op_ref(x, gelu, z)`` in one kernel pass (the tiles' amax goes in with an
     atomic max); with ``colsum`` also its column sums in fp32 (per row tile, then ``column_sums``: deterministic),
-    else None. ``launch``: (BLOCK_M, BLOCK_N, num_warps, stages, programs an SM); default ``CAST_LAUNCH`` of the
-    pre-op and ``colsum`` (fp32 sources: ``CAST_LAUNCH_FP32``; the interpreter: 32 x 32 tiles, 4 warps, one
-    stage, 8 programs an SM, where num_sms is 2)."""
+    else None. ``launch``: (BLOCK_M, BLOCK_N, num_warps, stages, programs an SM, BYTE_T); default ``CAST_LAUNCH``
+    of the pre-op and ``colsum`` (fp32 sources: ``CAST_LAUNCH_FP32``; the interpreter: 32 x 32 tiles, 4 warps, one
+    stage, 8 programs an SM, where num_sms is 2, and the GPU's way to the transpose)."""
     m, n = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -239,19 +270,21 @@ def cast_fp8_triton(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torc
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     pre = 0 if gelu is None else (1 if z is None else 2)
     if launch is None:
-        launch = ((32, 32, 4, 1, 8) if INTERPRET else
-                  CAST_LAUNCH_FP32 if x.dtype == torch.float32 else CAST_LAUNCH[pre, colsum])
-    block_m, block_n, warps, stages, per_sm = launch
+        launch = CAST_LAUNCH_FP32 if x.dtype == torch.float32 else CAST_LAUNCH[pre, colsum]
+        if INTERPRET:
+            launch = (32, 32, 4, 1, 8, launch[5])
+    block_m, block_n, warps, stages, per_sm, byte_t = launch
     tiles_m, tiles_n = cdiv(m, block_m), cdiv(n, block_n)
     parts = torch.empty((tiles_m, n) if colsum else (0,), dtype=torch.float32, device=x.device)
     wide = m4 * max(n, x.stride(0), z.stride(0) if z is not None else 0) >= _WIDE
     programs = max(1, min(tiles_m * tiles_n, num_sms(x.device) * per_sm))
-    _cast_fp8_kernel[(programs,)](x, z if z is not None else x, x8.view(torch.uint8), x8t.view(torch.int32),
+    _cast_fp8_kernel[(programs,)](x, z if z is not None else x, x8.view(torch.uint8),
+                                  x8t.view(torch.uint8 if byte_t else torch.int32),
                                   history.amax[row], history.step, scale_inv, parts, m, n, x.stride(0),
                                   z.stride(0) if z is not None else 0, tiles_n, tiles_m * tiles_n,
                                   FP8_MAX=FP8_MAX[dtype], E5M2=dtype == E5M2, HW=not INTERPRET, HISTORY_LEN=HISTORY,
                                   PRE=pre, APPROX_TANH=gelu == "tanh", WITH_COLSUM=colsum, WIDE=wide,
-                                  STAGES=stages, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+                                  BYTE_T=byte_t, STAGES=stages, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
     if m4 != m:  # rows that are not whole words (never in the model: its GEMM dimensions are multiples of 16)
         x8t = x8t[:, :m].contiguous()
     return x8, x8t, scale_inv, column_sums(parts) if colsum else None
@@ -259,14 +292,14 @@ def cast_fp8_triton(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torc
 
 def transpose_codes(x8: torch.Tensor, tile: tuple = (64, 64, 4)) -> torch.Tensor:
     """The transpose of the 2-D fp8 tensor ``x8``, contiguous (``x8.t().contiguous()``), in one pass that moves
-    the codes as 32-bit words; ``tile``: (BLOCK_M, BLOCK_N, num_warps) on a GPU."""
+    the codes as uint8; ``tile``: (BLOCK_M, BLOCK_N, num_warps) on a GPU."""
     m, n = x8.shape
     m4 = -(-m // 4) * 4
     out = torch.empty((n, m4), dtype=x8.dtype, device=x8.device)
     block_m, block_n, warps = (32, 32, 1) if INTERPRET else tile
     if m and n:
         _transpose_codes_kernel[(cdiv(m, block_m), cdiv(n, block_n))](
-            x8.contiguous().view(torch.uint8), out.view(torch.int32), m, n, BLOCK_M=block_m, BLOCK_N=block_n,
+            x8.contiguous().view(torch.uint8), out.view(torch.uint8), m, n, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=warps)
     return out if m4 == m else out[:, :m].contiguous()
 

@@ -12,7 +12,7 @@ cuBLASLt's GELU epilogues are the tanh formula (ops/cublaslt.py), and a Triton 3
 behind the next tile's MMA on sm_90 (no warp specialization there): both measured in benchmarks/RESULTS.md.
 Where the library is missing, the GPU is not an sm_90 one, or the operands do not fit its rules (bf16, CUDA,
 contiguous, 16-byte aligned, last sizes multiples of 8), :func:`eligible` says False and ops/ffn.py keeps cuBLAS + a
-Triton GELU pass. The epilogues compute in fp32, erf by Abramowitz & Stegun 7.1.26 as ops/ffn.py's ``_erf_fast``
+Triton GELU pass. The epilogues compute in fp32, erf by Abramowitz & Stegun 7.1.26 as ops/ffn.py's ``_half_erfc``
 (|error| <= 1.5e-7, far below a bf16 rounding step; libdevice's ``erff`` took twice the instructions, and the
 epilogue's arithmetic is what these kernels wait on); ``tests/ops/test_gemm_sm90.py`` compares them with float64
 on the card.

@@ -45,13 +45,14 @@ def fresh_history(rows=3):
 @pytest.mark.parametrize("looping", [False, True], ids=["tile_a_program", "one_program"])
 def test_cast_kernel_matches_reference(shape, src, dtype, wide, looping, monkeypatch):
     """Also through the 64-bit indexing that tensors of 2**31 elements or more take (forced here), and with one
-    program that walks every tile in its pipelined loop (the amax and column sums gathered across tiles)."""
+    program that walks every tile in its pipelined loop (the amax and column sums gathered across tiles). Both ways
+    to the transpose (BYTE_T): the default launches here take bytes, the looping one words."""
     if wide:
         monkeypatch.setattr(fp8_module, "_WIDE", 0)
     launch = None
     if looping:
         monkeypatch.setattr(fp8_module, "num_sms", lambda device: 1)
-        launch = (32, 32, 4, 2, 1)  # 32 x 32 tiles, 2 stages, 1 program an SM
+        launch = (32, 32, 4, 2, 1, False)  # 32 x 32 tiles, 2 stages, 1 program an SM, words
     g = torch.Generator().manual_seed(shape[0] * 131 + shape[1])
     x = (torch.randn(*shape, generator=g) * 3).to(DEVICE, src)
     x[0, 0] = float("inf")  # left out of the amax, saturates in the cast
@@ -136,7 +137,7 @@ def test_cast_kernel_gelu_pre_ops(backward, approximate):
 @needs_triton
 @pytest.mark.parametrize("backward", [False, True])
 def test_cast_gelu_matches_torch_over_its_range(backward):
-    """The casts' exact GELU takes erf from ``ffn._erf_fast`` (Abramowitz & Stegun, |error| <= 1.5e-7): GELU and
+    """The casts' exact GELU takes erf from ``ffn._half_erfc`` (Abramowitz & Stegun, |error| <= 1.5e-7): GELU and
     its derivative, read back through the column sums of a one-row cast (the pre-op's fp32 values themselves),
     stay within 1.5e-7 * (1 + |z|) + 1e-6 relative of torch's in float64 from z = -12 to 12. A wrong
     coefficient or sign is off by 1e-3 or more."""
@@ -330,8 +331,8 @@ def test_model_fp8_training_forward(prenorm):
 @needs_triton
 @pytest.mark.parametrize("shape", [(37, 70), (64, 96), (4, 1)])
 def test_transpose_codes(shape):
-    """The transpose of fp8 codes in one pass (as 32-bit words of four source rows): every byte in place, rows of
-    the source that are not whole words included."""
+    """The transpose of fp8 codes in one pass: every byte in place, rows of the source that are not a multiple of
+    4 included (the transposed rows are padded to whole words)."""
     g = torch.Generator().manual_seed(shape[0])
     x8 = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8).to(DEVICE).view(E5M2)
     t = fp8_module.transpose_codes(x8)
