@@ -172,18 +172,24 @@ def _store_words_t(YT, codes, row_tile, cols, ci, M, N, BLOCK_M: tl.constexpr):
     tl.store(YT + ci[:, None] * words_m + wi[None, :], words, mask=(cols[:, None] < N) & (wi[None, :] < words_m))
 
 
+@triton.jit
+def _store_bytes_t(YT, codes, rows, cols, ri, ci, M, N):
+    """Store the transpose of the uint8 codes tile ``codes`` (rows ``rows``, columns ``cols``; ``ri``, ``ci``: them
+    as offsets) into YT, the ``(N, M rounded up to a multiple of 4)`` bytes: the compiler's layout conversion moves
+    the uint8 tile between threads (or makes it again in the transposed layout: the cast's BYTE_T)."""
+    m4 = (M + 3) // 4 * 4
+    tl.store(YT + ci[:, None] * m4 + ri[None, :], tl.trans(codes), mask=(cols[:, None] < N) & (rows[None, :] < m4))
+
+
 @fast_launch
 @triton.jit
 def _transpose_codes_kernel(X, YT, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """YT = the transpose of the fp8 codes X ``(M, N)``, both as bytes (YT's rows padded to a multiple of 4): the
-    uint8 tile goes through the compiler's layout conversion (the cast's BYTE_T)."""
+    """YT = the transpose of the fp8 codes X ``(M, N)``, both as bytes (``_store_bytes_t``)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m4 = (M + 3) // 4 * 4
     codes = tl.load(X + rows.to(tl.int64)[:, None] * N + cols[None, :],
                     mask=(rows[:, None] < M) & (cols[None, :] < N), other=0)
-    tl.store(YT + cols.to(tl.int64)[:, None] * m4 + rows[None, :], tl.trans(codes),
-             mask=(cols[:, None] < N) & (rows[None, :] < m4))
+    _store_bytes_t(YT, codes, rows, cols, rows, cols.to(tl.int64), M, N)
 
 
 @fast_launch
@@ -202,17 +208,17 @@ def _cast_fp8_kernel(X, Z, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm
 
     The source is read once from memory and the pre-op computed once. ``Y`` is the (M, N) result as bytes; ``YT``
     the transpose, its rows padded to a multiple of 4 bytes, written one of two ways. BYTE_T: the codes as a uint8
-    tile (``_fp8_bytes``), stored transposed; the compiler moves the uint8 codes between threads (fp32 sources,
-    GELU's derivative), or converts the source tile and casts it again in the transposed layout (unpipelined
-    16-bit sources), or re-reads it from the pipeline's shared-memory stage (pipelined ones: ``CAST_LAUNCH`` says
-    which pays). Otherwise the int32 codes go into 32-bit words of four source rows, which ``_store_words_t``
-    transposes (GELU, whose arithmetic the compiler would repeat in the second layout). Neither moves fp8-typed
-    values between threads (Triton 3.6 moved transposed fp8 tiles wrongly on an H100 for fp32 sources and after the
-    GELU-derivative pre-op, scripts/fp8_diag.py; 8-bit integer tiles are not affected, triton-lang/triton#11111).
+    tile (``_fp8_bytes``), stored transposed (``_store_bytes_t``); the compiler moves the uint8 codes between
+    threads (fp32 sources, GELU's derivative), or converts the source tile and casts it again in the transposed
+    layout (unpipelined 16-bit sources), or re-reads it from the pipeline's shared-memory stage (pipelined ones:
+    ``CAST_LAUNCH`` says which pays). Otherwise the int32 codes go into 32-bit words of four source rows, which
+    ``_store_words_t`` transposes (GELU, whose arithmetic the compiler would repeat in the second layout). Neither
+    moves fp8-typed values between threads (Triton 3.6 moved transposed fp8 tiles wrongly on an H100 for fp32
+    sources and after the GELU-derivative pre-op, scripts/fp8_diag.py; 8-bit integer tiles are not affected,
+    triton-lang/triton#11111).
     Offsets are 32-bit (fewer registers) unless WIDE: a tensor of 2**31 elements or more."""
     scale, cur = history_scale(HIST, STEP, HISTORY_LEN, FP8_MAX)
     amax = tl.zeros((), dtype=tl.float32)
-    m4 = (M + 3) // 4 * 4  # YT's row length in bytes
     for t in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), num_stages=STAGES):
         tm = t // tiles_n
         rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -224,8 +230,7 @@ def _cast_fp8_kernel(X, Z, Y, YT, HIST, STEP, SCALE_INV, COLSUM, M, N, stride_xm
         if BYTE_T:  # masked-off elements: 0
             codes = _fp8_bytes(x * scale, FP8_MAX, E5M2, HW)
             tl.store(Y + ri[:, None] * N + ci[None, :], codes, mask=mask)
-            tl.store(YT + ci[:, None] * m4 + ri[None, :], tl.trans(codes),
-                     mask=(cols[:, None] < N) & (rows[None, :] < m4))
+            _store_bytes_t(YT, codes, rows, cols, ri, ci, M, N)
         else:
             codes = _fp8_codes(x * scale, FP8_MAX, E5M2, HW)
             tl.store(Y + ri[:, None] * N + ci[None, :], codes.to(tl.uint8), mask=mask)
