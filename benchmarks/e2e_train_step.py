@@ -45,6 +45,11 @@ Model FLOPs per step (the same for every contender; padding is never counted):
   + 6 * M * (H^2 + H*V)                 MLM head on the M masked tokens
 MFU divides by the card's dense bf16 peak (989 TFLOP/s for H100/H200 SXM).
 
+Memory (CUDA): "peak GB" is the most the timed steps had allocated (torch's max_memory_allocated, reset after the
+warm-up). A graph contender's replays allocate nothing, their activations living in the graphs' private pool made at
+capture, so its peak is mostly weights, optimizer state and gradients: "held GB" (max_memory_reserved, the pools
+included) is the figure to set beside HF's.
+
   python3 benchmarks/e2e_train_step.py --preset large --seq 128 --batch 128 --mode packed
   python3 benchmarks/e2e_train_step.py --preset large --seq 128 --batch 128 --probe-order
 """
@@ -369,7 +374,8 @@ def run_contender(name, inp: Inputs, warmup, steps, device, profile=False, out_d
             print("\n".join(table.splitlines()[:28]), flush=True)
         res = dict(contender=name, ms_per_step=ms, issue_ms_per_step=issue_ms, check_loss=check,
                    final_loss=float(loss.detach()), warmup_s=compile_s, inputs_digest=inp.digest,
-                   peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None)
+                   peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+                   held_mem_gb=torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else None)
         if graphs is not None:
             res["graph_replays"] = replays
         if profile and gaps:
@@ -486,16 +492,17 @@ def print_table(results: list) -> None:
     ref = base.get("hf-sdpa")
     # The check loss is an eval forward (FP8 GEMMs run in training forwards only); the last training loss
     # (same batches, init and step count everywhere) is where FP8's rounding would show.
-    print("\n| contender | ms/step | seq/s | tokens/s | model TFLOP/s | MFU | peak GB | loss diff vs hf-sdpa | "
-          "last train loss | x hf-sdpa | x hf-compile | x fb-triton |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| contender | ms/step | seq/s | tokens/s | model TFLOP/s | MFU | peak GB | held GB | "
+          "loss diff vs hf-sdpa | last train loss | x hf-sdpa | x hf-compile | x fb-triton |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         sp = lambda k: f"{base[k]['ms_per_step'] / r['ms_per_step']:.2f}" if k in base else "-"  # noqa: E731
         diff = f"{abs(r['check_loss'] - ref['check_loss']):.4f}" if ref else "-"
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         peak = f"{r['peak_mem_gb']:.1f}" if r["peak_mem_gb"] is not None else "-"
+        held = f"{r['held_mem_gb']:.1f}" if r.get("held_mem_gb") is not None else "-"
         print(f"| {r['contender']} | {r['ms_per_step']:.2f} | {r['seq_per_s']:.0f} | {r['tokens_per_s']:.0f} | "
-              f"{r['tflops']:.0f} | {mfu} | {peak} | {diff} | {r['final_loss']:.4f} | {sp('hf-sdpa')} | "
+              f"{r['tflops']:.0f} | {mfu} | {peak} | {held} | {diff} | {r['final_loss']:.4f} | {sp('hf-sdpa')} | "
               f"{sp('hf-compile')} | {sp('fb-triton')} |", flush=True)
 
 
@@ -586,8 +593,9 @@ def main(argv=None):
         r["mfu"] = r["tflops"] * 1e12 / PEAK_BF16 if device.type == "cuda" else None
         results.append(r)
         peak = f"{r['peak_mem_gb']:.1f} GB" if r["peak_mem_gb"] is not None else "-"
+        held = f", held {r['held_mem_gb']:.1f} GB" if r.get("held_mem_gb") is not None else ""
         print(f"{r['contender']:11s} {r['ms_per_step']:8.2f} ms/step  {r['seq_per_s']:8.0f} seq/s  check loss "
-              f"{r['check_loss']:.4f}  peak {peak}", flush=True)
+              f"{r['check_loss']:.4f}  peak {peak}{held}", flush=True)
         if r.get("graph_replays", args.steps) != args.steps:
             print(f"WARNING: {r['contender']} replayed CUDA graphs in {r['graph_replays']} of {args.steps} timed steps")
         if not args.probe_order:  # after every contender: a run cut short keeps what it measured
