@@ -48,7 +48,9 @@ MFU divides by the card's dense bf16 peak (989 TFLOP/s for H100/H200 SXM).
 Memory (CUDA): "peak GB" is the most the timed steps had allocated (torch's max_memory_allocated, reset after the
 warm-up). A graph contender's replays allocate nothing, their activations living in the graphs' private pool made at
 capture, so its peak is mostly weights, optimizer state and gradients: "held GB" (max_memory_reserved, the pools
-included) is the figure to set beside HF's.
+included) is the figure to set beside HF's. "SM MHz, W": the card's median SM clock and board power over the timed
+steps (``gpu_clocks.py``, nvidia-smi every 50 ms): at a power cap the clock moves with the work and the data, and
+hosts differ.
 
   python3 benchmarks/e2e_train_step.py --preset large --seq 128 --batch 128 --mode packed
   python3 benchmarks/e2e_train_step.py --preset large --seq 128 --batch 128 --probe-order
@@ -75,6 +77,8 @@ import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # this folder's modules, also when run through runpy or importlib
+from gpu_clocks import ClockSampler  # noqa: E402
 PEAK_BF16 = 989.4e12
 CONTENDERS = ("hf-eager", "hf-sdpa", "hf-compile", "fb-torch", "fb-triton", "fb-compile", "fb-graphs", "hf-patch",
               "fb-fp8", "fb-fp8-graphs")
@@ -352,7 +356,8 @@ def run_contender(name, inp: Inputs, warmup, steps, device, profile=False, out_d
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         replays = graphs.replays if graphs is not None else 0
-        ms, issue_ms, loss = timed_steps(step, batches, steps, device)
+        with ClockSampler(device) as clocks:
+            ms, issue_ms, loss = timed_steps(step, batches, steps, device)
         replays = graphs.replays - replays if graphs is not None else 0    # == steps when every step replayed
         gaps = None
         if profile:
@@ -375,7 +380,8 @@ def run_contender(name, inp: Inputs, warmup, steps, device, profile=False, out_d
         res = dict(contender=name, ms_per_step=ms, issue_ms_per_step=issue_ms, check_loss=check,
                    final_loss=float(loss.detach()), warmup_s=compile_s, inputs_digest=inp.digest,
                    peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-                   held_mem_gb=torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else None)
+                   held_mem_gb=torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else None,
+                   clocks=clocks.result)
         if graphs is not None:
             res["graph_replays"] = replays
         if profile and gaps:
@@ -492,18 +498,19 @@ def print_table(results: list) -> None:
     ref = base.get("hf-sdpa")
     # The check loss is an eval forward (FP8 GEMMs run in training forwards only); the last training loss
     # (same batches, init and step count everywhere) is where FP8's rounding would show.
-    print("\n| contender | ms/step | seq/s | tokens/s | model TFLOP/s | MFU | peak GB | held GB | "
+    print("\n| contender | ms/step | seq/s | tokens/s | model TFLOP/s | MFU | peak GB | held GB | SM MHz, W | "
           "loss diff vs hf-sdpa | last train loss | x hf-sdpa | x hf-compile | x fb-triton |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         sp = lambda k: f"{base[k]['ms_per_step'] / r['ms_per_step']:.2f}" if k in base else "-"  # noqa: E731
         diff = f"{abs(r['check_loss'] - ref['check_loss']):.4f}" if ref else "-"
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         peak = f"{r['peak_mem_gb']:.1f}" if r["peak_mem_gb"] is not None else "-"
         held = f"{r['held_mem_gb']:.1f}" if r.get("held_mem_gb") is not None else "-"
+        clk = f"{r['clocks']['sm_mhz']:.0f}, {r['clocks']['power_w']:.0f}" if r.get("clocks") else "-"
         print(f"| {r['contender']} | {r['ms_per_step']:.2f} | {r['seq_per_s']:.0f} | {r['tokens_per_s']:.0f} | "
-              f"{r['tflops']:.0f} | {mfu} | {peak} | {held} | {diff} | {r['final_loss']:.4f} | {sp('hf-sdpa')} | "
-              f"{sp('hf-compile')} | {sp('fb-triton')} |", flush=True)
+              f"{r['tflops']:.0f} | {mfu} | {peak} | {held} | {clk} | {diff} | {r['final_loss']:.4f} | "
+              f"{sp('hf-sdpa')} | {sp('hf-compile')} | {sp('fb-triton')} |", flush=True)
 
 
 def parse_args(argv):
@@ -594,8 +601,10 @@ def main(argv=None):
         results.append(r)
         peak = f"{r['peak_mem_gb']:.1f} GB" if r["peak_mem_gb"] is not None else "-"
         held = f", held {r['held_mem_gb']:.1f} GB" if r.get("held_mem_gb") is not None else ""
+        clk = r.get("clocks")
+        clk = f"  {clk['sm_mhz']:.0f} MHz {clk['power_w']:.0f} W" if clk else ""
         print(f"{r['contender']:11s} {r['ms_per_step']:8.2f} ms/step  {r['seq_per_s']:8.0f} seq/s  check loss "
-              f"{r['check_loss']:.4f}  peak {peak}{held}", flush=True)
+              f"{r['check_loss']:.4f}  peak {peak}{held}{clk}", flush=True)
         if r.get("graph_replays", args.steps) != args.steps:
             print(f"WARNING: {r['contender']} replayed CUDA graphs in {r['graph_replays']} of {args.steps} timed steps")
         if not args.probe_order:  # after every contender: a run cut short keeps what it measured

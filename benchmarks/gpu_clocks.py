@@ -1,0 +1,90 @@
+"""The SM clock and board power of a CUDA device while a block of work runs, sampled by ``nvidia-smi``.
+
+On the H200s this project measures on, every long kernel runs at the 700 W power cap and the SM clock is what
+moves (1,480-1,970 MHz between GEMMs of one shape, and with the data: random operands draw more power than a
+model's activations; benchmarks/RESULTS.md, thirty-fifth session). A step time read beside the clock it ran at
+tells a slower host from slower code::
+
+    with ClockSampler(device) as clocks:
+        ...                      # the timed work
+    clocks.result                # {"sm_mhz": median, "power_w": median, "samples": n} or None
+
+``result`` is None where there is nothing to sample (no ``nvidia-smi``, a CPU device, fewer than two samples, a
+run shorter than the sampling interval) or the tool's output cannot be read: the sampler never fails the work it
+watches. The device is named to ``nvidia-smi`` as ``CUDA_VISIBLE_DEVICES`` names it (an index or a UUID), else by
+torch's index.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+from typing import Optional
+
+
+def smi_id(index: int) -> str:
+    """How ``nvidia-smi -i`` names torch's CUDA device ``index``: its entry in ``CUDA_VISIBLE_DEVICES`` when that is
+    set (the physical index or UUID), else the index itself."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return visible[index] if index < len(visible) else str(index)
+
+
+def parse(text: str) -> Optional[dict]:
+    """The medians of ``nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits`` lines (lines
+    that are not two numbers are skipped); None below two samples."""
+    rows = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        try:
+            mhz, watt = float(parts[0]), float(parts[1])
+        except (ValueError, IndexError):
+            continue
+        rows.append((mhz, watt))
+    if len(rows) < 2:
+        return None
+    return {"sm_mhz": statistics.median(r[0] for r in rows), "power_w": statistics.median(r[1] for r in rows),
+            "samples": len(rows)}
+
+
+class ClockSampler:
+    """A context manager that samples ``device``'s SM clock and power every ``interval_ms`` while its block runs
+    (``result`` afterwards; see the module docstring). ``device``: a ``torch.device`` or its string ("cuda:1"); with
+no index, torch's current device."""
+
+    def __init__(self, device, interval_ms: int = 50):
+        self.result: Optional[dict] = None
+        self._proc = None
+        if isinstance(device, str):
+            kind, _, number = device.partition(":")
+            index = int(number) if number else None
+        else:
+            kind, index = device.type, device.index
+        tool = shutil.which("nvidia-smi") if kind == "cuda" else None
+        if tool is None:
+            self._cmd = None
+            return
+        if index is None:
+            import torch
+            index = torch.cuda.current_device()
+        self._cmd = [tool, "-i", smi_id(index), "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                     "-lms", str(interval_ms)]
+
+    def __enter__(self) -> "ClockSampler":
+        if self._cmd is not None:
+            try:
+                self._proc = subprocess.Popen(self._cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            except OSError:
+                self._proc = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        try:
+            out, _ = self._proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            out, _ = self._proc.communicate()
+        self.result = parse(out or "")

@@ -1,0 +1,69 @@
+"""benchmarks/gpu_clocks.py: the medians of what nvidia-smi prints while a block runs (a stand-in nvidia-smi on
+PATH here), the device named as CUDA_VISIBLE_DEVICES names it, and nothing at all (result None, the block unharmed)
+without the tool, on a CPU device or with unreadable output."""
+import importlib.util
+import os
+import stat
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("gpu_clocks", REPO / "benchmarks" / "gpu_clocks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fake_smi(folder: Path, lines: list, record: Path) -> None:
+    """An ``nvidia-smi`` that writes its arguments to ``record``, prints ``lines`` and then waits to be stopped, as
+    the real one does with ``-lms``."""
+    script = folder / "nvidia-smi"
+    body = "".join(f"print({line!r}, flush=True)\n" for line in lines)
+    script.write_text(f"#!{sys.executable}\nimport sys, time\nopen({str(record)!r}, 'w').write(' '.join(sys.argv[1:]))\n"
+                      f"{body}time.sleep(60)\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+
+
+def test_medians_of_the_samples(tmp_path, monkeypatch):
+    gc = load()
+    record = tmp_path / "args.txt"
+    fake_smi(tmp_path, ["1605, 689.5", "1710, 691.0", "[N/A], 12.0", "1500, 700.25", "garbage"], record)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,GPU-abc")
+    with gc.ClockSampler("cuda:1") as clocks:
+        deadline = time.time() + 10
+        while not record.exists() and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+    assert clocks.result == {"sm_mhz": 1605.0, "power_w": 691.0, "samples": 3}
+    args = record.read_text().split()
+    assert args[:2] == ["-i", "GPU-abc"] and "--query-gpu=clocks.sm,power.draw" in args and "-lms" in args
+
+
+@pytest.mark.parametrize("lines", [[], ["1605, 689.5"], ["not a number"]], ids=["none", "one", "unreadable"])
+def test_too_few_samples_give_none(tmp_path, monkeypatch, lines):
+    gc = load()
+    fake_smi(tmp_path, lines, tmp_path / "args.txt")
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert gc.smi_id(2) == "2"
+    with gc.ClockSampler("cuda:0") as clocks:
+        time.sleep(0.3)
+    assert clocks.result is None
+
+
+def test_nothing_to_sample(tmp_path, monkeypatch):
+    gc = load()
+    with gc.ClockSampler("cpu") as clocks:  # a CPU device: never looks for the tool
+        pass
+    assert clocks.result is None
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi anywhere
+    with gc.ClockSampler("cuda") as clocks:
+        pass
+    assert clocks.result is None
