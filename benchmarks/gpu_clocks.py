@@ -10,9 +10,9 @@ tells a slower host from slower code::
     clocks.result                # {"sm_mhz": median, "power_w": median, "samples": n} or None
 
 ``result`` is None where there is nothing to sample (no ``nvidia-smi``, a CPU device, fewer than two samples, a
-run shorter than the sampling interval) or the tool's output cannot be read: the sampler never fails the work it
-watches. The device is named to ``nvidia-smi`` as ``CUDA_VISIBLE_DEVICES`` names it (an index or a UUID), else by
-torch's index.
+run shorter than the sampling interval), the tool's output cannot be read, or ``FASTBERT_BENCH_CLOCKS=0`` turns the
+sampling off (to time a run without the sampler beside it): the sampler never fails the work it watches. The
+device is named to ``nvidia-smi`` as ``CUDA_VISIBLE_DEVICES`` names it (an index or a UUID), else by torch's index.
 """
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ import shutil
 import statistics
 import subprocess
 from typing import Optional
+
+OFF = "FASTBERT_BENCH_CLOCKS"  # "0": no sampling
 
 
 def smi_id(index: int) -> str:
@@ -60,7 +62,7 @@ no index, torch's current device."""
             index = int(number) if number else None
         else:
             kind, index = device.type, device.index
-        tool = shutil.which("nvidia-smi") if kind == "cuda" else None
+        tool = shutil.which("nvidia-smi") if kind == "cuda" and os.environ.get(OFF, "") != "0" else None
         if tool is None:
             self._cmd = None
             return

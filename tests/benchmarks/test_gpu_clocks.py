@@ -1,6 +1,6 @@
 """benchmarks/gpu_clocks.py: the medians of what nvidia-smi prints while a block runs (a stand-in nvidia-smi on
 PATH here), the device named as CUDA_VISIBLE_DEVICES names it, and nothing at all (result None, the block unharmed)
-without the tool, on a CPU device or with unreadable output."""
+without the tool, on a CPU device, with unreadable output or when turned off."""
 import importlib.util
 import os
 import stat
@@ -25,8 +25,8 @@ def fake_smi(folder: Path, lines: list, record: Path) -> None:
     the real one does with ``-lms``."""
     script = folder / "nvidia-smi"
     body = "".join(f"print({line!r}, flush=True)\n" for line in lines)
-    script.write_text(f"#!{sys.executable}\nimport sys, time\nopen({str(record)!r}, 'w').write(' '.join(sys.argv[1:]))\n"
-                      f"{body}time.sleep(60)\n")
+    head = f"#!{sys.executable}\nimport sys, time\nopen({str(record)!r}, 'w').write(' '.join(sys.argv[1:]))\n"
+    script.write_text(f"{head}{body}time.sleep(60)\n")
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
 
 
@@ -67,3 +67,8 @@ def test_nothing_to_sample(tmp_path, monkeypatch):
     with gc.ClockSampler("cuda") as clocks:
         pass
     assert clocks.result is None
+    fake_smi(tmp_path, ["1605, 689.5", "1710, 691.0"], tmp_path / "args.txt")  # there, but turned off
+    monkeypatch.setenv("FASTBERT_BENCH_CLOCKS", "0")
+    with gc.ClockSampler("cuda:0") as clocks:
+        time.sleep(0.3)
+    assert clocks.result is None and not (tmp_path / "args.txt").exists()
