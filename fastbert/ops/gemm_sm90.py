@@ -29,11 +29,14 @@ import torch
 
 from fastbert.ops._common import column_sums, device_index, raw_stream
 
-# The launch shape each function uses (the .cu file lists them): v0 (cooperative 128 x 256 tiles, 2 x 1 clusters)
-# both ways, the fastest of `benchmarks/bench_ops.py --ops sm90` on an H200 at BERT-base's size (up-projection
-# 326-335 us against v2's 342-350) and level with v2 at BERT-large's (271-272 us); benchmarks/RESULTS.md,
-# nineteenth and twentieth sessions.
-VARIANT = {"bias_gelu": 0, "dgelu": 0}
+# The launch shape each function uses (the .cu file lists them); None: by the operands' shape
+# (:func:`forward_variant`). The backward keeps v0 (cooperative 128 x 256 tiles, 2 x 1 clusters) everywhere. The
+# up-projection takes v2 (ping-pong 128 x 128) from K = 1,024 (BERT-large's hidden size) and v0 below: inside the
+# BERT-large bf16 graph step on two H200s, v2 -0.29 and -0.28 ms a step (interleaved runs), while at BERT-base's
+# size v2 cost +0.33 ms a step (as `benchmarks/bench_ops.py --ops sm90` had it there: 342-350 us against v0's
+# 326-335); benchmarks/RESULTS.md, nineteenth, twentieth and thirty-sixth sessions.
+VARIANT: dict = {"bias_gelu": None, "dgelu": 0}
+_WIDE_K = 1024  # K from which the up-projection takes v2
 # FASTBERT_GEMM_SM90=0 keeps cuBLAS + the GELU passes (read at import; benchmarks compare both by setting this
 # module attribute, which is read on every call).
 ENABLED = os.environ.get("FASTBERT_GEMM_SM90", "") != "0"
@@ -123,6 +126,13 @@ def _check(status: int, what: str):
                            "workspace it was not built for, 200 a launch error, -1 an unknown variant)")
 
 
+def forward_variant(k: int) -> int:
+    """The up-projection's launch shape for an inner size ``k``: ``VARIANT["bias_gelu"]`` when set, else v2 from
+    ``_WIDE_K`` on and v0 below (measured, see ``VARIANT``)."""
+    v = VARIANT["bias_gelu"]
+    return v if v is not None else (2 if k >= _WIDE_K else 0)
+
+
 def bias_gelu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> tuple:
     """``(y, g)``, both ``(M, N)``: ``y = gelu(z)``, ``g = gelu'(z)`` (what :func:`dgelu` takes), ``z = x @ w.T +
     bias`` (not stored). x ``(M, K)``, w ``(N, K)``, bias ``(N,)``; call :func:`eligible` first."""
@@ -130,7 +140,7 @@ def bias_gelu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> tuple:
     y = x.new_empty((m, n))
     g = torch.empty_like(y)
     _check(_lib().fb_sm90_bias_gelu(x.data_ptr(), w.data_ptr(), bias.data_ptr(), g.data_ptr(), y.data_ptr(), m, n, k,
-                                    VARIANT["bias_gelu"], raw_stream(x.device)),
+                                    forward_variant(k), raw_stream(x.device)),
            f"bias + GELU ({m} x {k} -> {n})")
     return y, g
 

@@ -57,6 +57,29 @@ def test_a_library_of_another_abi_is_refused():
     assert gemm_sm90._abi_ok(New(), Path("new.so"))
 
 
+def test_the_up_projection_launch_shape_follows_k(monkeypatch):
+    """v2 from K = 1,024 on, v0 below (measured in the step, gemm_sm90.VARIANT); a set VARIANT wins; bias_gelu passes
+    the library the shape for its own K."""
+    monkeypatch.setitem(gemm_sm90.VARIANT, "bias_gelu", None)
+    assert [gemm_sm90.forward_variant(k) for k in (64, 768, 1023, 1024, 4096)] == [0, 0, 0, 2, 2]
+    monkeypatch.setitem(gemm_sm90.VARIANT, "bias_gelu", 4)
+    assert gemm_sm90.forward_variant(768) == gemm_sm90.forward_variant(1024) == 4
+
+    class Lib:
+        def fb_sm90_bias_gelu(self, *args):
+            self.variant = args[-2]
+            return 0
+
+    lib = Lib()
+    monkeypatch.setitem(gemm_sm90._LIB, "lib", lib)
+    monkeypatch.setattr(gemm_sm90, "raw_stream", lambda device: 0)
+    monkeypatch.setitem(gemm_sm90.VARIANT, "bias_gelu", None)
+    for k, v in ((768, 0), (1024, 2)):
+        gemm_sm90.bias_gelu(torch.zeros(8, k, dtype=torch.bfloat16), torch.zeros(16, k, dtype=torch.bfloat16),
+                            torch.zeros(16, dtype=torch.bfloat16))
+        assert lib.variant == v
+
+
 def _sm90():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
