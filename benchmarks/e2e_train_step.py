@@ -77,8 +77,8 @@ import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # this folder's modules, also when run through runpy or importlib
-from gpu_clocks import ClockSampler  # noqa: E402
+sys.path.insert(0, str(HERE.parent))  # benchmarks.* as the other benchmarks import it, also through runpy/importlib
+from benchmarks.gpu_clocks import ClockSampler  # noqa: E402
 PEAK_BF16 = 989.4e12
 CONTENDERS = ("hf-eager", "hf-sdpa", "hf-compile", "fb-torch", "fb-triton", "fb-compile", "fb-graphs", "hf-patch",
               "fb-fp8", "fb-fp8-graphs")

@@ -52,7 +52,7 @@ def parse(text: str) -> Optional[dict]:
 class ClockSampler:
     """A context manager that samples ``device``'s SM clock and power every ``interval_ms`` while its block runs
     (``result`` afterwards; see the module docstring). ``device``: a ``torch.device`` or its string ("cuda:1"); with
-no index, torch's current device."""
+    no index, torch's current device."""
 
     def __init__(self, device, interval_ms: int = 50):
         self.result: Optional[dict] = None
