@@ -20,6 +20,11 @@ load, any in-place op on it), and forgets the marks, so later refreshes copy eve
 A copy may be asked for padded with zero rows (``cast(p, dtype, rows=...)``: the MLM decoder's, to a whole number of
 64-row blocks, ``ops/mlm_loss.py``): the op gets the whole padded buffer; refresh and the optimizer write its first
 rows, the copy proper, and the zero rows stay.
+
+A ``WeightCasts(derived=True)`` also keeps what other ops make from a parameter (:func:`derived`: the FP8 linears'
+weight codes, their transpose and scale, ``ops/fp8.py``): made by the op's own function at first use, remade by
+each refresh and copied into the same buffers. Training turns this on when an optimizer step accumulates several
+micro-batches (training/engine.py): the later micro-batches then skip those casts. No optimizer writes these.
 """
 from __future__ import annotations
 
@@ -40,16 +45,36 @@ def _fits(p: torch.nn.Parameter, copy: torch.Tensor) -> bool:
 class WeightCasts:
     """A parameter's copy in a dtype, per (parameter, dtype, padded rows or None) first asked for while active."""
 
-    def __init__(self):
+    def __init__(self, derived: bool = False):
         # (id(parameter), dtype, rows) -> (parameter, its copy); with rows, the copy is the first rows of a buffer
         # padded with zero rows (kept in _padded), which is what get returns
         self._copies: dict[tuple[int, torch.dtype, int | None], tuple[torch.nn.Parameter, torch.Tensor]] = {}
         self._padded: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
         self._written: dict[int, int] = {}   # id(parameter) -> its version when an optimizer wrote its copy
         self.generation = 0   # moves whenever a copy is made or dropped: what copies_of gave may be stale
+        # (id(parameter), key) -> (parameter, make, its tensors) while keeping derived values (``derived``)
+        self._derived: dict | None = {} if derived else None
 
     def __len__(self) -> int:
         return len(self._copies)
+
+    @property
+    def keeps_derived(self) -> bool:
+        """Whether :func:`derived` values are kept here (the constructor's ``derived``)."""
+        return self._derived is not None
+
+    def derive(self, p: torch.nn.Parameter, key, make) -> tuple:
+        """``make(p)`` (a tuple of tensors), kept per (parameter, ``key``) and given again until :meth:`refresh`
+        remakes it in place; without ``derived`` (the constructor's) just ``make(p)``."""
+        if self._derived is None:
+            return make(p)
+        hit = self._derived.get((id(p), key))
+        if hit is not None and hit[0] is p:
+            return hit[2]
+        with torch.no_grad():
+            made = tuple(make(p))
+        self._derived[(id(p), key)] = (p, make, made)
+        return made
 
     def get(self, p: torch.nn.Parameter, dtype: torch.dtype, rows: int | None = None) -> torch.Tensor:
         """``p``'s copy in ``dtype`` (made now if there is none, or if ``p`` changed shape or device since); with
@@ -86,7 +111,7 @@ class WeightCasts:
         pair), except the copies an optimizer wrote since the last refresh of parameters unchanged since then.
         Through ``.data``, so a copy's autograd version does not move (a forward's saved copy stays usable by
         its backward when nothing changed); a parameter that changed shape or device gets a new copy at its next
-        use instead."""
+        use instead. Derived values (:meth:`derive`) are all remade and copied into their buffers."""
         written, self._written = self._written, {}
         groups: dict = {}
         for key, (p, copy) in list(self._copies.items()):
@@ -102,6 +127,13 @@ class WeightCasts:
             src.append(p.data)
         for dst, src in groups.values():
             torch._foreach_copy_(dst, src)
+        for key, (p, make, made) in list((self._derived or {}).items()):
+            new = tuple(make(p))
+            if all(d.shape == n.shape and d.dtype == n.dtype and d.device == n.device for d, n in zip(made, new)):
+                for d, n in zip(made, new):
+                    d.data.copy_(n)
+            else:   # p changed shape or device: new buffers
+                self._derived[key] = (p, make, new)
 
     @contextlib.contextmanager
     def active(self):
@@ -138,3 +170,14 @@ def cast(t: torch.Tensor, dtype: torch.dtype, rows: int | None = None) -> torch.
     if casts is not None and isinstance(t, torch.nn.Parameter) and not torch.compiler.is_compiling():
         return casts.get(t, dtype, rows)
     return t.to(dtype) if rows is None else padded(t, dtype, rows)
+
+
+def derived(p: torch.Tensor, key, make) -> tuple | None:
+    """While a :class:`WeightCasts` made with ``derived=True`` is active: ``make(p)``, a tuple of tensors made from
+    parameter ``p`` (``key`` names what, per parameter), made once and kept there until its refresh. Otherwise
+    None: nothing keeps it, the caller makes its own."""
+    casts = getattr(_state, "casts", None)
+    if (casts is None or not casts.keeps_derived or not isinstance(p, torch.nn.Parameter)
+            or torch.compiler.is_compiling()):
+        return None
+    return casts.derive(p, key, make)

@@ -328,10 +328,11 @@ class TrainEngine:
         # directly at ZeRO-0 without fp16's wrapper). With one micro-batch and another optimizer, the refresh
         # would redo every cast each step (the same bytes; measured level with casting inside the forward, for
         # ~0.67 GB more at BERT-large). Not with ZeRO-3: its parameters are gathered and released module by
-        # module inside the forward.
+        # module inside the forward. With several micro-batches they also keep the FP8 linears' weight casts
+        # (``derived``: ops/fp8.weight_fp8), made at the step's first micro-batch.
         writes = isinstance(ds_engine.optimizer, AdamW)
         keep = (self.grad_accum > 1 or writes) and self.zero_stage < 3 and weight_casts.enabled()
-        self.casts = weight_casts.WeightCasts() if keep else None
+        self.casts = weight_casts.WeightCasts(derived=self.grad_accum > 1) if keep else None
         if writes:
             ds_engine.optimizer.weight_casts = self.casts
 

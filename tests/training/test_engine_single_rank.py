@@ -58,6 +58,7 @@ for i in range(4):                     # two optimizer steps of two micro-batche
     e.backward(e(torch.randn(4, 8)).pow(2).mean())
     e.step()
 assert refreshes == [0, 2], refreshes
+assert e.casts.keeps_derived                   # several micro-batches: the FP8 weight casts are kept too
 assert all(c is probe.seen[0][0] for c, _, _ in probe.seen)                   # one buffer throughout
 assert all(torch.equal(v, w) for _, v, w in probe.seen)                       # each forward saw the current weights
 assert not torch.equal(probe.seen[1][1], probe.seen[2][1])                    # the update reached the copy
@@ -70,6 +71,7 @@ probe = Probe()
 e = eng.build_engine(probe, optimizer={"type": "adamw", "lr": 1e-1}, micro_batch_size=4, global_batch_size=4,
                      precision="fp32", gradient_clipping=0.0, zero_stage=0)
 assert e.grad_accum == 1 and e.casts is not None and e.ds.optimizer.weight_casts is e.casts
+assert not e.casts.keeps_derived               # one micro-batch: the FP8 weight casts stay in the forward
 copied = []
 real_copy = torch._foreach_copy_
 torch._foreach_copy_ = lambda dst, src: (copied.append(len(dst)), real_copy(dst, src))
