@@ -112,20 +112,29 @@ def _pre_op(X, Z, r, c, mask, stride_xm, stride_zm, PRE: tl.constexpr, APPROX_TA
 def _fp8_codes(v, FP8_MAX: tl.constexpr, E5M2: tl.constexpr, HW: tl.constexpr):
     """The fp8 bit patterns (0..255, in int32) of fp32 ``v``, saturated to +-FP8_MAX. On a GPU (HW) the
     conversion instruction that torch's own cast runs (round to nearest even; satfinite saturates, NaN stays
-    NaN), written into a 32-bit register, so that no 8-bit tensor is ever moved between threads; the
-    interpreter clamps and casts with tl, except to e5m2: there its cast drops exponent bits (24000 -> 8192),
-    so e5m2 is fp16's top byte rounded to nearest even (e5m2 has fp16's exponent; off torch's value only where
-    rounding twice meets a tie)."""
+    NaN), written into a 32-bit register, so that no 8-bit tensor is ever moved between threads. The
+    interpreter's own casts to fp8 are not round-to-nearest (tests/ops/test_fp8.py), so there the codes are
+    computed from the bits: e5m2 as fp16's top byte rounded to nearest even (e5m2 has fp16's exponent; off
+    torch's value only where rounding twice meets a tie), e4m3 from fp32's bits (20 mantissa bits rounded off
+    to nearest even, the exponent rebased from 127 to 7; below 2^-6, the multiples of e4m3's subnormal step
+    2^-9 rounded to nearest even): torch's value."""
     if HW:
         fmt: tl.constexpr = "e5m2x2" if E5M2 else "e4m3x2"
         return tl.inline_asm_elementwise(
             "{ .reg .b16 t; cvt.rn.satfinite." + fmt + ".f32 t, 0f00000000, $1; cvt.u32.u16 $0, t; }",
             "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
+    nan = v != v
     v = tl.clamp(v, -FP8_MAX, FP8_MAX)
     if E5M2:
         h = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         return (h + 0x7F + ((h >> 8) & 1)) >> 8
-    return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    b = v.to(tl.int32, bitcast=True)
+    a = b & 0x7FFFFFFF
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - 960
+    steps = tl.abs(v) * 512.0
+    subnormal = ((steps + 8388608.0) - 8388608.0).to(tl.int32)  # 2^23 added: fp32 rounds to a whole number
+    code = tl.where(a >= (121 << 23), normal, subnormal) | tl.where(b < 0, 0x80, 0)
+    return tl.where(nan, 0x7F, code)
 
 
 @triton.jit
