@@ -338,7 +338,8 @@ def weight_fp8(w: torch.Tensor, history: AmaxHistory, row: int) -> tuple:
     are made once a step, scaled by the weight's own amax of that moment (measured first, as a row's first cast
     is: the micro-batches between two refreshes record nothing in the weight's history row, whose slots the
     forwards go on zeroing), and the step's later micro-batches reuse them (BERT-large: 96 casts of 302 M fp32
-    weights a micro-batch, ~0.5 ms on an H200)."""
+    weights less a micro-batch; the academic-budget command with FP8 +0.66% on an H200, benchmarks/RESULTS.md,
+    thirty-seventh session)."""
     def make(p):
         history.prime(row, p.detach())
         return cast_fp8(p, history, row, E4M3)[:3]
