@@ -65,9 +65,7 @@ class WeightCasts:
 
     def derive(self, p: torch.nn.Parameter, key, make) -> tuple:
         """``make(p)`` (a tuple of tensors), kept per (parameter, ``key``) and given again until :meth:`refresh`
-        remakes it in place; without ``derived`` (the constructor's) just ``make(p)``."""
-        if self._derived is None:
-            return make(p)
+        remakes it in place. Only where :attr:`keeps_derived` (the caller, :func:`derived`, checks)."""
         hit = self._derived.get((id(p), key))
         if hit is not None and hit[0] is p:
             return hit[2]
