@@ -544,7 +544,11 @@ _SHORT_BWD_MAX = 128
 # registers, not measured. H200, twenty-first session, graph-replayed, bf16 (us): B=256 H=12 S=128 full rows
 # p=0.1 262.7 -> 211.5 (one program a (sequence, head) before), p=0 219.5 -> 166.9; B=128 H=16 full 176.6 -> 145.0,
 # lengths in [26, 128] 123.3 -> 111.1; S=64 60.1 -> 53.4. benchmarks/RESULTS.md.
-_SHORT_BWD_LAUNCH = {16: (4, 4, 2), 32: (4, 3, 2), 64: (4, 2, 2), 128: (8, 1, 2)}
+# No 16-token tile: on an H200 (triton 3.6) its 4 warps computed wrong bf16 gradients with dropout (90% of them off,
+# fp32 and no dropout right; the byte-unpacked keep tile on a tensor-core tile smaller than the warps; thirty-ninth
+# session), so sequences of up to 16 tokens take the 32-token tile (``_short_bwd_blocks``).
+_SHORT_BWD_LAUNCH = {32: (4, 3, 2), 64: (4, 2, 2), 128: (8, 1, 2)}
+_SHORT_BWD_SMALLEST = 32
 # The stages' tile buffers (q, k, v, dO, O) a program may take: two stages of 16-bit 128 x 64 tiles fit sm_90's
 # 227 KB beside what the kernel itself keeps in shared memory; fp32 tiles at 128 (246 KB) do not: one stage there.
 _SHORT_BWD_STAGE_BYTES = 2 * 5 * 128 * 64 * 2
@@ -571,7 +575,7 @@ def _launch_config(kind: str, head_dim: int, max_seqlen: int, device: torch.devi
 def _short_bwd_blocks(head_dim: int, max_seqlen: int):
     """The BLOCK of each fused short-backward launch (lengths in (BLOCK/2, BLOCK], the smallest from 1),
     or None for the two-kernel path."""
-    block = max(16, next_power_of_2(max_seqlen))
+    block = max(_SHORT_BWD_SMALLEST, next_power_of_2(max_seqlen))
     limit = _SHORT_BWD_MAX if head_dim <= 64 else min(_SHORT_BWD_MAX, 64)
     if block > limit:
         return None

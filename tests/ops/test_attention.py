@@ -349,7 +349,10 @@ def test_launch_shapes_keyed_by_dropout():
     assert A._launch_config("fwd", 64, 512, cuda) == A._GPU_CONFIGS[("fwd", 64, "long")]
     assert A._launch_config("fwd", 128, 512, cuda, dropout=True) == A._GPU_CONFIGS[("fwd", 128, "long")]
     assert A._launch_config("fwd", 64, 40, cuda, dropout=True)[:2] == (64, 32)  # 64-row cap; 32 keys: whole words
-    assert A._SHORT_BWD_LAUNCH.keys() == {16, 32, 64, 128}
+    assert A._SHORT_BWD_LAUNCH.keys() == {32, 64, 128}
+    # no 16-token tile (wrong bf16 gradients with dropout on an H200): up to 32 tokens one 32-token bucket
+    assert A._short_bwd_blocks(64, 7) == A._short_bwd_blocks(64, 32) == [32]
+    assert A._short_bwd_blocks(64, 100) == [64, 128] and A._short_bwd_blocks(64, 129) is None
     assert A._short_bwd_launch(64, torch.empty(1, 1, 64), 64) == (1, 2, 1)
     # two stages of tile buffers where they fit sm_90's shared memory beside the kernel's own, else one (fp32 at
     # 128 tokens needed 246 KB for two: out of resources on the card)
@@ -400,6 +403,33 @@ def test_gpu_dropout_statistics_and_backward():
     out_r, grad_r = masked_reference(qkv, cu, max_seqlen, keep, p, dout, 1 / 8)
     torch.testing.assert_close(out, out_r, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(grad, grad_r, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("longest", [7, 16, 32, 64, 128])
+@pytest.mark.parametrize("p", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_short_backward_every_block(longest, p, dtype):
+    """Every tile size of the fused short backward on the card (the longest sequence picks the buckets: 16 tokens and
+    fewer a 16-key tile, HF's test inputs of 7 tokens among them) against the fp32 masked reference: the interpreter
+    runs other launches (one warp), so only the card checks the 4- and 8-warp tiles. bf16: within a few of its
+    steps (2^-8 relative) of values up to ~10."""
+    g = torch.Generator().manual_seed(longest)
+    lengths = [longest, 1] + torch.randint(1, longest + 1, (37,), generator=g).tolist()
+    heads, seed = 4, 11
+    cu, max_seqlen = cu_seqlens_of(lengths, "cuda"), max(lengths)
+    qkv = packed_qkv(lengths, heads, 64, dtype, "cuda")
+    dout = torch.randn(sum(lengths), heads, 64, generator=g).to("cuda", dtype)
+    out, grad = run(varlen_attention, qkv, cu, max_seqlen, dout, dropout_p=p, seed=seed)
+    qkv, dout = qkv.detach().float().requires_grad_(), dout.float()
+    if p:
+        keep, _ = dropout_mask(lengths, heads, p, seed)
+    else:
+        keep = torch.ones(sum(lengths), heads, max_seqlen, dtype=torch.bool, device="cuda")
+    out_r, grad_r = masked_reference(qkv, cu, max_seqlen, keep, p, dout, 1 / 8)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float(), out_r, rtol=tol, atol=tol)
+    torch.testing.assert_close(grad.float(), grad_r, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.25])
