@@ -130,6 +130,21 @@ class _Replay(torch.autograd.Function):
         return (None,) + (None,) * len(cap.inputs) + tuple(g.detach() if g is not None else None for g in cap.grads)
 
 
+def grad_views(params: list) -> tuple:
+    """One zeroed buffer for the gradients of ``params`` (one dtype, one device) and a view of it per parameter, each
+    starting on 16 bytes: the fused AdamW loads a step's gradients with vector loads only when every one is so
+    aligned (``ops/adamw.py``), and one odd-sized tensor (BERT's 30,522-entry decoder bias) would otherwise shift
+    every later view off it: the BERT-large command's optimizer step took 5.75 ms instead of 2.64 (H200, thirty-ninth
+    session)."""
+    align = max(1, 16 // params[0].element_size())
+    starts, at = [], 0
+    for p in params:
+        starts.append(at)
+        at += -(-p.numel() // align) * align
+    flat = torch.zeros(at, dtype=params[0].dtype, device=params[0].device)
+    return flat, [flat[s:s + p.numel()].view_as(p) for s, p in zip(starts, params)]
+
+
 class GraphedModel:
     """Replays a captured forward + backward of ``model(packed=...)`` per batch shape."""
 
@@ -191,12 +206,8 @@ class GraphedModel:
             for p in params:
                 by_dtype.setdefault(p.dtype, []).append(p)
             self._grads = []
-            for dtype, group in by_dtype.items():
-                flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=group[0].device)
-                views, at = [], 0
-                for p in group:
-                    views.append(flat[at:at + p.numel()].view_as(p))
-                    at += p.numel()
+            for group in by_dtype.values():
+                flat, views = grad_views(group)
                 self._grads.append((flat, group, views))
             self._buffers = {p: v for _, group, views in self._grads for p, v in zip(group, views)}
         for flat, group, views in self._grads:

@@ -10,7 +10,7 @@ import torch
 from fastbert import BertConfig, BertForSequenceClassification
 from fastbert.data.static_batch import pack_examples
 from fastbert.ops import cublaslt
-from fastbert.training.cuda_graphs import GraphedModel, unsupported_reason
+from fastbert.training.cuda_graphs import GraphedModel, grad_views, unsupported_reason
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -25,6 +25,21 @@ def test_reasons_for_eager():
     assert "kernels='triton'" in unsupported_reason(cuda, "bf16", 0, kernels="torch")
     assert "wall_clock_breakdown" in unsupported_reason(cuda, "bf16", 0, ds_profiling=True)
     assert unsupported_reason(cuda, "bf16", 0) is None and unsupported_reason(cuda, "fp32", 0) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_accumulated_gradients_start_on_16_bytes(dtype):
+    """own_grads()'s buffer: a zeroed view per parameter, none overlapping, each on 16 bytes even after odd-sized
+    tensors (BERT's 30,522-entry decoder bias), so the fused AdamW takes its vector loads (ops/adamw.py)."""
+    from fastbert.ops.adamw import _aligned
+    params = [torch.empty(n, dtype=dtype) for n in ((30522,), (3, 5), (1024, 7), (1,), (64, 64), (2,))]
+    flat, views = grad_views(params)
+    assert [v.shape for v in views] == [p.shape for p in params]
+    assert all(v.data_ptr() % 16 == 0 for v in views) and _aligned(views)
+    assert not flat.any() and flat.numel() < sum(p.numel() for p in params) + 8 * len(params)
+    for i, v in enumerate(views):
+        v.fill_(i + 1)
+    assert all((v == i + 1).all() for i, v in enumerate(views))    # no view overlaps another
 
 
 @pytest.fixture(autouse=True)
