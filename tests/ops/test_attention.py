@@ -255,25 +255,34 @@ def test_dropout_same_seed_reproducible():
     assert torch.equal(out_d, out_e)
 
 
-def test_forward_stores_the_mask_it_applied_as_bits():
+def test_forward_stores_the_mask_it_applied_as_bits(monkeypatch):
     """The backward reads the forward's mask bits instead of drawing again: bit k of word w of row (h, t) must
-    be the keep decision for key 32w + k of query t, head h, as the forward applied it."""
+    be the keep decision for key 32w + k of query t, head h, as the forward applied it. The forward draws in its
+    score tile's layout, so the mask must also be one function of (sequence, head, query, key) whatever the tiles
+    (BLOCK_M queries x BLOCK_N keys, BLOCK_N 32 or 64)."""
     import fastbert.ops.attention as attn
 
     lengths, heads, p, seed = [70, 9, 1, 33], 2, 0.3, 5
-    keep, _ = dropout_mask(lengths, heads, p, seed)                          # (T, nh, maxlen)
     total, max_seqlen = sum(lengths), max(lengths)
-    q = torch.zeros(total, heads, 32, device=DEVICE)
-    _, _, bits = attn.varlen_attention_forward(q, q, q, cu_seqlens_of(lengths), max_seqlen, p, 1.0,
-                                               torch.tensor([seed], dtype=torch.int64, device=DEVICE))
-    assert bits.shape == (heads, total, 2 * -(-max_seqlen // 64)) and bits.dtype == torch.int32  # whole words
-    bits = bits.view(torch.uint8)  # little-endian words: key 8j + k in bit k of byte j, as the bytes before them
-    unpacked = (bits.long().unsqueeze(-1) >> torch.arange(8, device=bits.device)) & 1   # (nh, T, bytes, 8)
-    unpacked = unpacked.flatten(2)[..., :max_seqlen].permute(1, 0, 2).bool()           # (T, nh, maxlen)
     valid = torch.cat([torch.arange(max_seqlen) < n for n in lengths for _ in range(n)]).view(total, 1, -1)
-    valid = valid.expand_as(keep).to(keep.device)
-    assert torch.equal(unpacked[valid], keep[valid])
-    assert 0.6 < keep[valid].float().mean() < 0.8
+    warps, stages = (4, 2) if DEVICE == "cuda" else (1, 1)
+    masks = []
+    for block_m, block_n in ((32, 32), (16, 64), (64, 32), (64, 64)):
+        monkeypatch.setattr(attn, "_launch_config", lambda *a, **k: (block_m, block_n, warps, stages))
+        keep, _ = dropout_mask(lengths, heads, p, seed)                          # (T, nh, maxlen)
+        q = torch.zeros(total, heads, 32, device=DEVICE)
+        _, _, bits = attn.varlen_attention_forward(q, q, q, cu_seqlens_of(lengths), max_seqlen, p, 1.0,
+                                                   torch.tensor([seed], dtype=torch.int64, device=DEVICE))
+        assert bits.shape == (heads, total, 2 * -(-max_seqlen // 64)) and bits.dtype == torch.int32  # whole words
+        bits = bits.view(torch.uint8)  # little-endian words: key 8j + k in bit k of byte j
+        unpacked = (bits.long().unsqueeze(-1) >> torch.arange(8, device=bits.device)) & 1   # (nh, T, bytes, 8)
+        unpacked = unpacked.flatten(2)[..., :max_seqlen].permute(1, 0, 2).bool()           # (T, nh, maxlen)
+        ok = valid.expand_as(keep).to(keep.device)
+        assert torch.equal(unpacked[ok], keep[ok]), (block_m, block_n)
+        assert 0.6 < keep[ok].float().mean() < 0.8
+        masks.append(keep[ok])
+    for m in masks[1:]:
+        assert torch.equal(m, masks[0])
 
 
 def masked_reference(qkv, cu, max_seqlen, keep, p, dout, scale):

@@ -288,6 +288,25 @@ def test_unaligned_shapes_run_linear():
     assert not h.primed
 
 
+@pytest.mark.parametrize("a_dtype", [E4M3, E5M2])
+def test_cpu_fp8_gemm_is_scaled_mm(a_dtype):
+    """On the CPU the FP8 GEMMs multiply the FP8 values with a float32 torch.mm (torch's CPU ``_scaled_mm`` is ~450x
+    slower): the same as ``torch._scaled_mm`` up to fp32 summation order, with and without the bias."""
+    g = torch.Generator().manual_seed(3)
+    a = (torch.randn(48, 96, generator=g) * 4).to(a_dtype)
+    b = (torch.randn(32, 96, generator=g) * 4).to(E4M3).t()  # column-major, as _scaled_mm takes it
+    sa, sb = torch.tensor(0.37), torch.tensor(1.9)
+    bias = torch.randn(32, generator=g).to(torch.bfloat16)
+    for out_dtype, b_ in ((torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, bias)):
+        want = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, bias=b_, out_dtype=out_dtype)
+        got = fp8_module._mm8(a, b, sa, sb, out_dtype, bias=b_)
+        assert got.dtype == out_dtype
+        # fp32: summation order; bf16: at most one rounding of the fp32 result apart
+        tol = 1e-5 if out_dtype == torch.float32 else 2 ** -8
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=1e-4)
+        assert not torch.equal(got.float(), torch.zeros_like(got.float()))
+
+
 @pytest.mark.parametrize("prenorm", [False, True])
 def test_model_fp8_training_forward(prenorm):
     """BertConfig.fp8 changes training forwards only: eval equals the 32-bit model, the training loss and
