@@ -257,9 +257,9 @@ def test_dropout_same_seed_reproducible():
 
 def test_forward_stores_the_mask_it_applied_as_bits(monkeypatch):
     """The backward reads the forward's mask bits instead of drawing again: bit k of word w of row (h, t) must
-    be the keep decision for key 32w + k of query t, head h, as the forward applied it. The forward draws in its
-    score tile's layout, so the mask must also be one function of (sequence, head, query, key) whatever the tiles
-    (BLOCK_M queries x BLOCK_N keys, BLOCK_N 32 or 64)."""
+    be the keep decision for key 32w + k of query t, head h, as the forward applied it, at every tile shape
+    (BLOCK_M queries x BLOCK_N keys, BLOCK_N 32 or 64); and the mask must be one function of (sequence, head, query,
+    key), the same whatever the tiles (a draw keyed by a tile's own coordinates would not be)."""
     import fastbert.ops.attention as attn
 
     lengths, heads, p, seed = [70, 9, 1, 33], 2, 0.3, 5
