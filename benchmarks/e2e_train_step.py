@@ -45,6 +45,10 @@ Model FLOPs per step (the same for every contender; padding is never counted):
   + 6 * M * (H^2 + H*V)                 MLM head on the M masked tokens
 MFU divides by the card's dense bf16 peak (989 TFLOP/s for H100/H200 SXM).
 
+--accumulate N steps the optimizer every N micro-batches, as `fastbert pretrain` does with gradient accumulation
+(the academic-budget recipes: 32): the graph contenders then add each micro-batch's gradients into buffers of their own
+inside the graphs (training/cuda_graphs.py); the table's "step" is a micro-batch with its share of the optimizer step.
+
 Memory (CUDA): "peak GB" is the most the timed steps had allocated (torch's max_memory_allocated, reset after the
 warm-up). A graph contender's replays allocate nothing, their activations living in the graphs' private pool made at
 capture, so its peak is mostly weights, optimizer state and gradients: "held GB" (max_memory_reserved, the pools
@@ -54,6 +58,7 @@ hosts differ.
 
   python3 benchmarks/e2e_train_step.py --preset large --seq 128 --batch 128 --mode packed
   python3 benchmarks/e2e_train_step.py --preset large --seq 128 --batch 128 --probe-order
+  python3 benchmarks/e2e_train_step.py --preset large --prenorm --contenders fb-graphs --accumulate 4 --steps 24
 """
 from __future__ import annotations
 
@@ -302,7 +307,7 @@ def gpu_idle(kernels: list, steps: int) -> Optional[dict]:
                 median_gap_us=round(statistics.median(gaps), 2) if gaps else 0.0)
 
 
-def run_contender(name, inp: Inputs, warmup, steps, device, profile=False, out_dir=None):
+def run_contender(name, inp: Inputs, warmup, steps, device, profile=False, out_dir=None, accumulate: int = 1):
     model, step_model = build(name, inp.hf_state, inp.hcfg, inp.fcfg, device)
     autocast = autocast_for(device)
     graphs, batches = None, inp.batches
@@ -313,6 +318,7 @@ def run_contender(name, inp: Inputs, warmup, steps, device, profile=False, out_d
         slots = mlm_slots(batches, inp.fcfg.vocab_size)
         batches = [{"packed": packed_batch(b, slots)} for b in batches]
         warmup = max(warmup, GRAPH_WARMUP)
+    warmup = -(-warmup // accumulate) * accumulate  # the timed micro-batches start an optimizer step
     try:
         # fb-graphs: the packed forward. Its loss is normalised as HF's (MLM mean over the masked tokens, unused
         # slots weigh 0; NSP mean over the sequences), so it differs from HF's padded loss only by arithmetic
@@ -323,29 +329,38 @@ def run_contender(name, inp: Inputs, warmup, steps, device, profile=False, out_d
         if graphs is not None:   # TrainEngine's optimizer, which writes the weights' 16-bit copies it keeps
             from fastbert.ops.weight_casts import WeightCasts
             from fastbert.training.optim import AdamW
-            opt, casts = AdamW(model.parameters(), **hyper), WeightCasts()
+            opt, casts = AdamW(model.parameters(), **hyper), WeightCasts(derived=accumulate > 1)
             opt.weight_casts = casts
             # the spike guard's verdict, as `fastbert pretrain` hands it to the optimizer every step (a device flag)
             opt.found_inf = torch.zeros((), device=device)
         else:
             opt = torch.optim.AdamW(model.parameters(), **hyper, fused=True)
 
+        micro = [0]  # micro-batches of the optimizer step so far
+
         def step(kw):
             # As TrainEngine: a graph's output, else the eager model (first sight of a shape, eval); no outer
             # autocast around the graphs, they capture under their own; the 16-bit copies active around the
-            # forward and refreshed before it (nothing to copy once the optimizer wrote them). One micro-batch a
-            # step, so the engine never calls graphs.own_grads() and DeepSpeed's ZeRO-0 step sets the gradients
-            # to None.
+            # forward and refreshed before an optimizer step's first one (nothing to copy once the optimizer wrote
+            # them). With accumulation the graphs own the gradients from the step's first backward on
+            # (graphs.own_grads(), as the engine calls it) and add each micro-batch's into them; without,
+            # DeepSpeed's ZeRO-0 step sets them to None. One call is one micro-batch; the optimizer steps after
+            # every ``accumulate``-th.
+            first = micro[0] == 0
             with casts.active() if casts is not None else contextlib.nullcontext():
-                if casts is not None:
+                if casts is not None and first:
                     casts.refresh()
                 out = graphs(kw["packed"]) if graphs is not None else None
                 if out is None:
                     with autocast:
                         out = step_model(**kw)
+            if graphs is not None and accumulate > 1 and first:
+                graphs.own_grads()
             out.loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            micro[0] = (micro[0] + 1) % accumulate
+            if micro[0] == 0:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
             return out.loss
 
         t0 = time.time()
@@ -470,7 +485,7 @@ def run_here(names, args, device, probe=False):
         before = dict(gemm_tflops=gemm_tflops(), **process_state()) if probe else None
         try:
             r = run_contender(name, inp, args.warmup, args.steps, device, profile=name in args.profile.split(","),
-                              out_dir=args.out)
+                              out_dir=args.out, accumulate=args.accumulate)
         except Exception as e:  # report and go on: one broken contender must not hide the others
             print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
             yield None
@@ -527,6 +542,11 @@ def parse_args(argv):
                         "Pre-LN BERT): the same weights, one more LayerNorm")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--accumulate", type=int, default=1,
+                   help="micro-batches an optimizer step (gradient accumulation, as `fastbert pretrain`'s "
+                        "gradient_accumulation_steps: the graph contenders add each micro-batch's gradients into "
+                        "buffers of their own, the others through autograd); the table's \"step\" is then a "
+                        "micro-batch, with its share of the optimizer step; --steps a multiple of it")
     p.add_argument("--contenders", default=",".join(DEFAULT))
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--same-process", action="store_true",
@@ -544,6 +564,8 @@ def parse_args(argv):
         p.error(f"unknown contenders {unknown}; choose from {', '.join(CONTENDERS)}")
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be at least 1 and --warmup at least 0")
+    if args.accumulate < 1 or args.steps % args.accumulate:
+        p.error(f"--accumulate must be at least 1 and divide --steps ({args.steps})")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("no CUDA device; --device cpu runs the smoke test")
     if args.probe_order and args.device != "cuda":
@@ -562,7 +584,8 @@ def main(argv=None):
     torch.backends.cuda.matmul.allow_tf32 = True
     if args.worker:      # errors propagate: the parent shows the traceback's tail
         r = run_contender(args.worker, Inputs.make(args, device), args.warmup, args.steps, device,
-                          profile=args.worker in args.profile.split(","), out_dir=args.out)
+                          profile=args.worker in args.profile.split(","), out_dir=args.out,
+                          accumulate=args.accumulate)
         Path(args.worker_out).write_text(json.dumps(r))
         return
     import transformers

@@ -90,7 +90,7 @@ class MaskingCollator:
         n_units = start.sum(dim=1)                                        # (batch,)
         k = torch.floor(n_units.to(torch.float32) * self.rate + self._rand((batch,))).long()
         score = self._rand((batch, seq)).masked_fill(~start, 2.0)        # non-units sort last
-        rank = score.argsort(dim=1).argsort(dim=1)                        # (batch, seq): rank among units
+        rank = _inverse(score.argsort(dim=1))                             # (batch, seq): rank among units
         chosen_start = start & (rank < k.unsqueeze(1))
         if not self.whole_word:
             return chosen_start
@@ -116,8 +116,7 @@ class MaskingCollator:
         input_ids, chosen = self._choose_on_device(input_ids, attention_mask)
         flat = chosen.reshape(-1)
         slots = self.capacity(*input_ids.shape)
-        # chosen positions first, in order; a stable sort of a 0/1 key needs no count from the host
-        order = torch.argsort((~flat).to(torch.uint8), stable=True)[:slots]
+        order = _chosen_first(flat)[:slots]  # no count read back on the host
         used = flat.index_select(0, order)
         positions = torch.where(used, order, torch.zeros_like(order))
         targets = torch.where(used, input_ids.reshape(-1).index_select(0, order), torch.full_like(order, IGNORE_INDEX))
@@ -142,6 +141,21 @@ class MaskingCollator:
                                            generator=self.generator).view_as(input_ids)
         out = torch.where(to_mask, torch.full_like(input_ids, self.mask_id), input_ids)
         return torch.where(to_random, random_ids, out)
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    """The inverse of each row's permutation ``perm`` ``(batch, n)`` (what ``perm.argsort(dim=1)`` is), as one
+    scatter instead of a sort."""
+    return torch.empty_like(perm).scatter_(1, perm, torch.arange(perm.shape[1], device=perm.device).expand_as(perm))
+
+
+def _chosen_first(flat: torch.Tensor) -> torch.Tensor:
+    """Indices of the True entries of the 1-D bool ``flat`` in order, then of the False ones in order (what a stable
+    argsort of ``~flat`` gives), without a sort: a True entry goes to its rank among the True ones, a False one to
+    the count of True ones plus its rank among the False ones."""
+    before = flat.cumsum(0)
+    dest = torch.where(flat, before - 1, before[-1] + torch.arange(flat.numel(), device=flat.device) - before)
+    return _inverse(dest.unsqueeze(0))[0]
 
 
 def continuation_flags(vocab_tokens: Sequence[str]) -> torch.Tensor:

@@ -30,6 +30,7 @@ def bert_embeddings_ref(input_ids, position_ids, token_type_ids, word_weight, po
 # rows hit by every token, where atomics would serialize, so each program reduces its rows into
 # per-type partial sums in registers instead.
 
+from fastbert.ops import grad_accum  # noqa: E402
 from fastbert.ops._common import (  # noqa: E402
     bwd_row_partition, cdiv, check_dropout_p, check_hidden, check_triton_device, drop_threshold, dropout_keep,
     dropout_seed, fast_launch, next_power_of_2, register_op, row_block, tl, triton)
@@ -144,18 +145,20 @@ def embeddings_fwd(input_ids, position_ids, token_type_ids, word_weight, positio
 
 
 def embeddings_bwd(dy, input_ids, position_ids, token_type_ids, word_weight, position_weight, type_weight,
-                   ln_weight, mean, rstd, dropout_p, seed, padding_idx):
+                   ln_weight, mean, rstd, dropout_p, seed, padding_idx, word_acc=None, pos_acc=None):
     """Returns ``(dword, dposition, dtype, dln_weight, dln_bias)``, each like its weight.
     ``padding_idx < 0`` means none. Atomic accumulation: the word / position sums are not bitwise
-    deterministic run to run (fp32 adds in varying order)."""
+    deterministic run to run (fp32 adds in varying order). ``word_acc`` / ``pos_acc``: fp32 buffers of the
+    tables' shapes (``ops/grad_accum.py``) the kernel's atomics add into instead of a zeroed gradient; that
+    gradient is then returned empty."""
     m = input_ids.numel()
     n = word_weight.shape[1]
     dev = word_weight.device
     n_types = type_weight.shape[0]
     types_in_regs = n_types <= _MAX_TYPES_IN_REGS
     block_t = next_power_of_2(n_types) if types_in_regs else 1
-    dword = torch.zeros(word_weight.shape, dtype=torch.float32, device=dev)
-    dpos = torch.zeros(position_weight.shape, dtype=torch.float32, device=dev)
+    dword = word_acc if word_acc is not None else torch.zeros(word_weight.shape, dtype=torch.float32, device=dev)
+    dpos = pos_acc if pos_acc is not None else torch.zeros(position_weight.shape, dtype=torch.float32, device=dev)
     dtype_full = torch.zeros(type_weight.shape if not types_in_regs else (0,), dtype=torch.float32, device=dev)
     block_m, block_n, num_warps, programs, rows_per_program = bwd_row_partition(m, n, dev)
     dtype_part = torch.zeros((programs, block_t, n), dtype=torch.float32, device=dev)
@@ -170,8 +173,10 @@ def embeddings_bwd(dy, input_ids, position_ids, token_type_ids, word_weight, pos
             HAS_DROPOUT=dropout_p > 0.0, HAS_PAD=padding_idx >= 0, TYPES_IN_REGS=types_in_regs,
             BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     dtype = dtype_part.sum(0)[:n_types] if types_in_regs else dtype_full
-    return (dword.to(word_weight.dtype), dpos.to(position_weight.dtype), dtype.to(type_weight.dtype),
-            dlnw_part.sum(0).to(ln_weight.dtype), dlnb_part.sum(0).to(ln_weight.dtype))
+    dword = dword.to(word_weight.dtype) if word_acc is None else word_weight.new_empty((0,))
+    dpos = dpos.to(position_weight.dtype) if pos_acc is None else position_weight.new_empty((0,))
+    return (dword, dpos, dtype.to(type_weight.dtype), dlnw_part.sum(0).to(ln_weight.dtype),
+            dlnb_part.sum(0).to(ln_weight.dtype))
 
 
 def _fwd_fake(input_ids, position_ids, token_type_ids, word_weight, position_weight, type_weight,
@@ -182,9 +187,10 @@ def _fwd_fake(input_ids, position_ids, token_type_ids, word_weight, position_wei
 
 
 def _bwd_fake(dy, input_ids, position_ids, token_type_ids, word_weight, position_weight, type_weight,
-              ln_weight, mean, rstd, dropout_p, seed, padding_idx):
-    return (torch.empty_like(word_weight), torch.empty_like(position_weight), torch.empty_like(type_weight),
-            torch.empty_like(ln_weight), torch.empty_like(ln_weight))
+              ln_weight, mean, rstd, dropout_p, seed, padding_idx, word_acc=None, pos_acc=None):
+    return (word_weight.new_empty(word_weight.shape if word_acc is None else (0,)),
+            position_weight.new_empty(position_weight.shape if pos_acc is None else (0,)),
+            torch.empty_like(type_weight), torch.empty_like(ln_weight), torch.empty_like(ln_weight))
 
 
 _fwd_op = register_op(
@@ -197,7 +203,8 @@ _bwd_op = register_op(
     "bert_embeddings_bwd",
     "(Tensor dy, Tensor input_ids, Tensor position_ids, Tensor token_type_ids, Tensor word_weight, "
     "Tensor position_weight, Tensor type_weight, Tensor ln_weight, Tensor mean, Tensor rstd, float dropout_p, "
-    "Tensor? seed, int padding_idx) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "Tensor? seed, int padding_idx, Tensor(a!)? word_acc, Tensor(b!)? pos_acc) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     embeddings_bwd, _bwd_fake)
 
 
@@ -211,14 +218,26 @@ class BertEmbeddingsFn(torch.autograd.Function):
         ctx.save_for_backward(input_ids, position_ids, token_type_ids, word_weight, position_weight, type_weight,
                               ln_weight, mean, rstd)
         ctx.dropout_p, ctx.seed, ctx.padding_idx = dropout_p, seed, padding_idx
+        # With gradient accumulation (ops/grad_accum.py) the atomics add into the tables' fp32 buffers: no zeroed
+        # gradient, and for a decoder tied to the word table (whose GEMM adds into the same buffer) no addition of
+        # the two either.
+        ctx.accs = tuple(_fp32_buffer(t) if ctx.needs_input_grad[i] else None
+                         for i, t in ((3, word_weight), (4, position_weight)))
         return y
 
     @staticmethod
     def backward(ctx, dy):
         ids_w, ids_p, ids_t, word, pos, typ, ln_w, mean, rstd = ctx.saved_tensors
-        grads = _bwd_op(dy.contiguous(), ids_w, ids_p, ids_t, word, pos, typ, ln_w, mean, rstd,
-                        ctx.dropout_p, ctx.seed, ctx.padding_idx)
-        return (None, None, None, *grads, None, None, None, None)
+        dword, dpos, *rest = _bwd_op(dy.contiguous(), ids_w, ids_p, ids_t, word, pos, typ, ln_w, mean, rstd,
+                                     ctx.dropout_p, ctx.seed, ctx.padding_idx, *ctx.accs)
+        dword, dpos = (None if acc is not None else g for acc, g in zip(ctx.accs, (dword, dpos)))
+        return (None, None, None, dword, dpos, *rest, None, None, None, None)
+
+
+def _fp32_buffer(table):
+    """``table``'s gradient buffer (ops/grad_accum.py) when it is fp32 (the kernel's atomics add fp32), else None."""
+    buf = grad_accum.buffer_for(table)
+    return buf if buf is not None and buf.dtype == torch.float32 else None
 
 
 def bert_embeddings(input_ids, position_ids, token_type_ids, word_weight, position_weight, type_weight,

@@ -7,7 +7,10 @@ twice a micro-batch, in ~400 small kernels). Inside :func:`accumulating` the fus
 computes a weight gradient with a GEMM (``linear.py``, ``ffn.py``, ``fp8.py``) look up that weight's
 buffer here when their forward runs; their backward then has the GEMM add its product into the buffer
 (beta = 1: the buffer is read and written in the GEMM's epilogue, hidden behind its tensor-core work)
-and hands autograd no gradient for that weight.
+and hands autograd no gradient for that weight. So do the MLM decoder (``mlm_loss.py``) and the embedding
+backward (``embeddings.py``: its atomics add into the word and position tables' fp32 buffers): for the
+word table, which is the decoder's weight, both halves of the gradient then land in one buffer, with no
+table-sized zeroed gradient, no addition of the two halves and no pass adding their sum into ``.grad``.
 
 ``training/cuda_graphs.py`` uses it while capturing a training step whose ``.grad`` it owns (gradient
 accumulation with CUDA graphs): the buffers are the ``.grad`` tensors themselves, so a replay leaves

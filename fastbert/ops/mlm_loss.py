@@ -75,7 +75,7 @@ def _static_ref(hidden, labels, positions, dense_weight, dense_bias, ln_weight, 
 # (Until the thirty-second session the logits were Triton GEMM tiles reduced in registers and recomputed in the
 # backward: ~1.9 ms of an H200's BERT-large step against ~1.0 now, benchmarks/RESULTS.md.)
 
-from fastbert.ops import weight_casts  # noqa: E402
+from fastbert.ops import grad_accum, weight_casts  # noqa: E402
 from fastbert.ops._common import (  # noqa: E402
     INTERPRET, cdiv, check_triton_device, fast_launch, next_power_of_2, register_op, tl, triton)
 from fastbert.ops.ffn import linear_bias_gelu  # noqa: E402
@@ -189,9 +189,10 @@ def linear_cross_entropy_fwd(h, weight, bias, labels, vocab: int):
 
 
 def linear_cross_entropy_bwd(grad, h, weight, bias, labels, dl, vocab: int, wdtype: torch.dtype,
-                             bdtype: torch.dtype):
+                             bdtype: torch.dtype, wacc=None):
     """Gradients ``(dh, dweight, dbias)`` of the mean loss scaled by ``grad`` (a scalar tensor), dweight and dbias
-    ``vocab`` rows long in ``wdtype`` / ``bdtype``; ``dl``: the forward's d(logits), or empty to recompute them."""
+    ``vocab`` rows long in ``wdtype`` / ``bdtype``; ``dl``: the forward's d(logits), or empty to recompute them.
+    ``wacc``: dweight's fp32 accumulator (``linear.wgrad``; ops/grad_accum.py), dweight then empty."""
     n, k = h.shape
     vp = weight.shape[0]
     # d(mean)/d(row) = 1 / (rows with a label), times the incoming gradient: on the device, no count read back.
@@ -199,22 +200,43 @@ def linear_cross_entropy_bwd(grad, h, weight, bias, labels, dl, vocab: int, wdty
     # g goes onto the small operands: dh after its GEMM, h before dweight's (in fp16, whose range g * h may leave,
     # onto dweight after its GEMM instead).
     hg = h if h.dtype == torch.float16 else (h * g).to(h.dtype)
+    # With an accumulator the GEMMs add the vocabulary's rows (not the padding's) into it; fp16's g comes after.
+    acc = wacc if wacc is not None and h.dtype != torch.float16 else None
     if dl.shape[0] == n:  # kept from the forward
-        dh, dw, db = wgrad(dl.t(), weight, torch.float32), wgrad(dl, hg, torch.float32), bias_grad(dl, torch.float32)
+        dh, db = wgrad(dl.t(), weight, torch.float32), bias_grad(dl, torch.float32)
+        dw = wgrad(dl, hg, torch.float32) if acc is None else _add_rows(acc, dl, hg)
     else:
         dh = torch.empty((n, k), dtype=torch.float32, device=h.device)
-        dw = db = None
+        dw, db = acc, None
         for r0, r1, d, *_ in _row_chunks(h, weight, bias, labels, vocab, _chunk_rows(n, vp)):
             dh[r0:r1] = wgrad(d.t(), weight, torch.float32)
             if dw is None:
                 dw, db = wgrad(d, hg[r0:r1], torch.float32), bias_grad(d, torch.float32)
             else:
-                wgrad(d, hg[r0:r1], torch.float32, acc=dw)
-                db += bias_grad(d, torch.float32)
+                _add_rows(dw, d, hg[r0:r1])
+                db = bias_grad(d, torch.float32) if db is None else db + bias_grad(d, torch.float32)
+    dh = (dh * g).to(h.dtype)
+    db = (db[:vocab] * g).to(bdtype)
+    if acc is not None:
+        return dh, weight.new_empty((0,), dtype=wdtype), db
     if h.dtype == torch.float16:
         dw = dw * g
-    dh = (dh * g).to(h.dtype)
-    return dh, dw[:vocab].to(wdtype), (db[:vocab] * g).to(bdtype)
+    if wacc is not None:  # fp16: the scaled gradient added after its GEMM
+        wacc.add_(dw[:vocab])
+        return dh, weight.new_empty((0,), dtype=wdtype), db
+    return dh, dw[:vocab].to(wdtype), db
+
+
+def _add_rows(acc, dl, h):
+    """``acc += dl[:, :rows]ᵀ @ h`` for ``acc``'s rows (``linear.wgrad`` with an accumulator), in two GEMMs when
+    ``acc`` has a row count that is not a multiple of ``_VOCAB_ALIGN`` (BERT's 30,522): for 30,522 rows cuBLASLt runs an
+    Ampere kernel (402 us a BERT-large micro-batch on an H200) where 30,592 take its Hopper one (235 us)."""
+    rows = acc.shape[0]
+    head = rows - rows % _VOCAB_ALIGN
+    for r0, r1 in ((0, head), (head, rows)):
+        if r1 > r0:
+            wgrad(dl[:, r0:r1], h, torch.float32, acc=acc[r0:r1])
+    return acc
 
 
 def _fwd_fake(h, weight, bias, labels, vocab):
@@ -223,8 +245,8 @@ def _fwd_fake(h, weight, bias, labels, vocab):
             h.new_empty((h.shape[0] if kept else 0, weight.shape[0])))
 
 
-def _bwd_fake(grad, h, weight, bias, labels, dl, vocab, wdtype, bdtype):
-    return (torch.empty_like(h), weight.new_empty((vocab, weight.shape[1]), dtype=wdtype),
+def _bwd_fake(grad, h, weight, bias, labels, dl, vocab, wdtype, bdtype, wacc=None):
+    return (torch.empty_like(h), weight.new_empty((vocab, weight.shape[1]) if wacc is None else (0,), dtype=wdtype),
             bias.new_empty((vocab,), dtype=bdtype))
 
 
@@ -235,7 +257,7 @@ _fwd_op = register_op(
 _bwd_op = register_op(
     "linear_cross_entropy_bwd",
     "(Tensor grad, Tensor h, Tensor weight, Tensor bias, Tensor labels, Tensor dl, int vocab, ScalarType wdtype, "
-    "ScalarType bdtype) -> (Tensor, Tensor, Tensor)",
+    "ScalarType bdtype, Tensor(a!)? wacc) -> (Tensor, Tensor, Tensor)",
     linear_cross_entropy_bwd, _bwd_fake)
 
 
@@ -252,14 +274,17 @@ class LinearCrossEntropyFn(torch.autograd.Function):
         loss, correct, dl = _fwd_op(h, w, b, labels, weight.shape[0])
         ctx.save_for_backward(h, w, b, labels, dl)
         ctx.vocab, ctx.dtypes = weight.shape[0], (weight.dtype, bias.dtype)
+        ctx.wacc = grad_accum.buffer_for(weight) if ctx.needs_input_grad[1] else None
+        if ctx.wacc is not None and ctx.wacc.dtype != torch.float32:
+            ctx.wacc = None
         ctx.mark_non_differentiable(correct)
         return loss, correct
 
     @staticmethod
     def backward(ctx, dloss, _dcorrect):
         h, weight, bias, labels, dl = ctx.saved_tensors
-        dh, dw, db = _bwd_op(dloss, h, weight, bias, labels, dl, ctx.vocab, *ctx.dtypes)
-        return dh, dw, db, None
+        dh, dw, db = _bwd_op(dloss, h, weight, bias, labels, dl, ctx.vocab, *ctx.dtypes, ctx.wacc)
+        return dh, dw if ctx.wacc is None else None, db, None
 
 
 def sparse_mlm_loss(hidden, labels, dense_weight, dense_bias, ln_weight, ln_bias, eps,

@@ -107,3 +107,19 @@ def test_gpu_idle_counts_gaps_once_and_by_the_kernel_after_them():
     assert r["idle_before_triton_ms"] == 0.002 and r["idle_before_other_ms"] == 0.006
     assert r["median_gap_us"] == 3.0                              # of 2, 3, 6, 2, 3
     assert bench.gpu_idle([], 3) is None
+
+
+def test_accumulate_steps_the_optimizer_every_n_micro_batches(monkeypatch):
+    """--accumulate N: one call of the step is a micro-batch, the optimizer steps after every N-th (warm-up rounded
+    up to whole optimizer steps, so the timed micro-batches start one); --steps must be a multiple of N."""
+    bench = load_bench()
+    steps = []
+    real_step = torch.optim.AdamW.step
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: steps.append(1) or real_step(self, *a, **k))
+    args = bench.parse_args(["--device", "cpu", "--preset", "tiny", "--seq", "16", "--batch", "2", "--steps", "4",
+                             "--warmup", "1", "--accumulate", "2"])
+    r = bench.run_contender("fb-torch", bench.Inputs.make(args, torch.device("cpu")), args.warmup, args.steps,
+                            torch.device("cpu"), accumulate=args.accumulate)
+    assert len(steps) == (2 + 4) // 2 and r["ms_per_step"] > 0
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cpu", "--steps", "5", "--accumulate", "2"])

@@ -141,3 +141,18 @@ def test_bad_settings():
         MaskingCollator(100, [0], 1, random_tokens="unigram")
     with pytest.raises(ValueError, match="whole_word"):
         MaskingCollator(100, [0], 1, whole_word=True)
+
+
+def test_ranks_and_slot_order_without_sorts():
+    """The collator's two sort-free steps equal the sorts they replace (so a seed masks the same tokens as before):
+    a permutation's inverse as a scatter is its argsort (the units' ranks), and the chosen-first order of the static
+    slots is the stable argsort of the 0/1 key."""
+    from fastbert.data.masking import _chosen_first, _inverse
+    g = torch.Generator().manual_seed(0)
+    score = torch.rand(5, 37, generator=g)
+    score[:, ::3] = 2.0  # ties, as the non-units' fill value makes them
+    perm = score.argsort(dim=1)
+    assert torch.equal(_inverse(perm), perm.argsort(dim=1))
+    for p in (0.0, 0.15, 0.5, 1.0):
+        flat = torch.rand(301, generator=g) < p
+        assert torch.equal(_chosen_first(flat), torch.argsort((~flat).to(torch.uint8), stable=True))

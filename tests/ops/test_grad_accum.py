@@ -9,8 +9,11 @@ in its epilogue (one rounding less than a separate addition, so equal within fp3
 import pytest
 import torch
 
-from fastbert.ops import cublaslt, grad_accum
+from fastbert.config import BertConfig
+from fastbert.heads import BertForMaskedLM
+from fastbert.ops import cublaslt, grad_accum, mlm_loss
 from fastbert.ops._common import HAS_TRITON
+from fastbert.ops.embeddings import bert_embeddings
 from fastbert.ops.ffn import ffn
 from fastbert.ops.linear import linear_residual
 from fastbert.ops.qkv_attention import qkv_attention
@@ -92,6 +95,94 @@ def test_qkv_attention_adds_its_weight_gradient_into_the_buffer():
     torch.testing.assert_close(buf, 0.5 + want[1], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (the embeddings kernels)")
+def test_embeddings_add_their_tables_gradients_into_the_buffers():
+    """The word and position tables' atomics add into their fp32 buffers; the token-type table and the LayerNorm
+    get their gradients from autograd as before. Tolerance: the same fp32 atomics added into ``before`` one by
+    one, against added into zeros and then to ``before`` (a few roundings of ~1-sized sums)."""
+    g = torch.Generator().manual_seed(6)
+    ids = [torch.randint(0, n, (29,), generator=g).to(DEVICE) for n in (50, 16, 2)]
+    tables = leaves((50, 24), (16, 24), (2, 24), (24,), (24,), seed=7)
+
+    def f(word, pos, typ, w, b):
+        return (bert_embeddings(*ids, word, pos, typ, w, b, 1e-12, dropout_p=0.1, seed=3, padding_idx=0),)
+
+    want = grads_of(f, tables)
+    buffers = {i: torch.full(want[i].shape, 0.5, device=DEVICE) for i in (0, 1)}
+    got = grads_of(f, tables, buffers)
+    assert got[0] is None and got[1] is None
+    for i in (0, 1):
+        torch.testing.assert_close(buffers[i], 0.5 + want[i], rtol=1e-5, atol=1e-5)
+    for i in (2, 3, 4):
+        torch.testing.assert_close(got[i], want[i], rtol=0, atol=0)
+    assert torch.all(buffers[0][0] == 0.5)  # the padding row: nothing added
+    got = grads_of(f, tables, {0: torch.zeros(50, 24, dtype=torch.float64, device=DEVICE)})
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)  # not an fp32 buffer: autograd's gradient
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (the MLM head's kernels)")
+@pytest.mark.parametrize("dtype,keep_elems", [(torch.float32, None), (torch.float32, 40 * 64), (torch.float16, None)])
+def test_decoder_adds_its_weight_gradient_into_the_buffer(monkeypatch, dtype, keep_elems):
+    """The decoder's weight gradient (the vocabulary's rows, not the padded ones) added by its GEMM, also when the
+    rows go in chunks recomputed in the backward; in fp16 (the mean's 1 / n applied after the GEMM) added after it."""
+    if keep_elems is not None:
+        monkeypatch.setattr(mlm_loss, "_KEEP_ELEMS", keep_elems)
+    vocab = 70  # padded to 128 columns
+    h, dw, db, lw, lb, decw, decb = leaves((97, 16), (16, 16), (16,), (16,), (16,), (vocab, 16), (vocab,), seed=8,
+                                           dtype=dtype)
+    labels = torch.randint(0, vocab, (97,), generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    labels[::3] = -100
+
+    def f(*t):
+        return (mlm_loss.sparse_mlm_loss(t[0], labels, *t[1:5], 1e-12, *t[5:])[0],)
+
+    params = (h, dw, db, lw, lb, decw, decb)
+    want = grads_of(f, params)
+    buf = torch.full((vocab, 16), 0.5, device=DEVICE)
+    got = grads_of(f, params, {5: buf})
+    assert got[5] is None
+    tol = 1e-5 if dtype == torch.float32 else 1e-3  # fp16: want rounded to fp16 (half an ulp: 2^-12 relative)
+    torch.testing.assert_close(buf, 0.5 + want[5].float(), rtol=tol, atol=tol)
+    for i in (0, 1, 2, 3, 4, 6):
+        torch.testing.assert_close(got[i], want[i], rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (the model's kernels)")
+def test_tied_word_table_and_decoder_add_into_one_buffer():
+    """A whole MLM model with every parameter's buffer, as ``training/cuda_graphs.py`` captures it: the word table,
+    tied to the decoder, gets both gradients added into its buffer and autograd hands back none for it (no zeroed
+    table-sized gradient, no addition of the two, no pass adding their sum into the buffer); every buffer ends as
+    ``before`` plus the gradient autograd gives without buffers."""
+    torch.manual_seed(0)
+    cfg = BertConfig.preset("tiny", vocab_size=100, max_position_embeddings=32, sparse_prediction=True)
+    model = BertForMaskedLM(cfg).to(DEVICE).set_kernels("triton").train()
+    g = torch.Generator().manual_seed(10)
+    ids = torch.randint(1, 100, (3, 12), generator=g).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    labels = torch.where(torch.rand(3, 12, generator=g).to(DEVICE) < 0.3, ids, -100).masked_fill(mask == 0, -100)
+    labels[0, 0] = ids[0, 0]
+    params = [p for p in model.parameters() if p.requires_grad]
+    word = model.bert.embeddings.word_embeddings.weight
+    assert model.cls.predictions.decoder.weight is word
+
+    def loss():
+        torch.manual_seed(1)  # the same dropout draws both times
+        return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+    want = torch.autograd.grad(loss(), params)
+    before = [torch.randn(p.shape, generator=g).to(DEVICE) for p in params]
+    buffers = [b.clone() for b in before]
+    with grad_accum.accumulating(dict(zip(params, buffers))):
+        out = loss()
+    got = torch.autograd.grad(out, params, allow_unused=True)
+    assert got[[i for i, p in enumerate(params) if p is word][0]] is None
+    for p, w, b0, buf, gr in zip(params, want, before, buffers, got):
+        if gr is not None:
+            buf += gr
+        torch.testing.assert_close(buf, b0 + w, rtol=1e-5, atol=1e-5)
+
+
 def test_no_buffer_outside_the_context_and_for_other_tensors():
     w, other = leaves((4, 8), (4, 8))
     buf = torch.zeros_like(w)
@@ -123,6 +214,24 @@ def test_backward_ops_declare_the_buffer_written():
                           (dy, dy, x, w1, b1, w2, y, z, "none", torch.float32, torch.zeros_like(w1), None))
     torch.library.opcheck(torch.ops.fastbert.linear_residual_bwd.default,
                           (dy, None, y, w2, True, torch.float32, torch.zeros_like(w2)))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (the kernels)")
+def test_embedding_and_decoder_backward_ops_declare_the_buffers_written():
+    g = torch.Generator().manual_seed(11)
+    ids = [torch.randint(0, n, (9,), generator=g).to(DEVICE) for n in (20, 8, 2)]
+    word, pos, typ = (torch.randn(n, 16, generator=g).to(DEVICE) for n in (20, 8, 2))
+    ln_w, dy = torch.ones(16, device=DEVICE), torch.randn(9, 16, generator=g).to(DEVICE)
+    mean, rstd = torch.zeros(9, device=DEVICE), torch.ones(9, device=DEVICE)
+    torch.library.opcheck(torch.ops.fastbert.bert_embeddings_bwd.default,
+                          (dy, *ids, word, pos, typ, ln_w, mean, rstd, 0.0, None, 0, torch.zeros_like(word),
+                           torch.zeros_like(pos)))
+    h, w = torch.randn(9, 16, generator=g).to(DEVICE), torch.randn(64, 16, generator=g).to(DEVICE)
+    labels = torch.randint(0, 50, (9,), generator=g).to(DEVICE)
+    _, _, dl = torch.ops.fastbert.linear_cross_entropy_fwd(h, w, torch.zeros(64, device=DEVICE), labels, 50)
+    torch.library.opcheck(torch.ops.fastbert.linear_cross_entropy_bwd.default,
+                          (torch.ones((), device=DEVICE), h, w, torch.zeros(64, device=DEVICE), labels, dl, 50,
+                           torch.float32, torch.float32, torch.zeros(50, 16, device=DEVICE)))
 
 
 # ------------------------------------------------------------------------------------------ on the GPU
