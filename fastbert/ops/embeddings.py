@@ -221,7 +221,7 @@ class BertEmbeddingsFn(torch.autograd.Function):
         # With gradient accumulation (ops/grad_accum.py) the atomics add into the tables' fp32 buffers: no zeroed
         # gradient, and for a decoder tied to the word table (whose GEMM adds into the same buffer) no addition of
         # the two either.
-        ctx.accs = tuple(_fp32_buffer(t) if ctx.needs_input_grad[i] else None
+        ctx.accs = tuple(grad_accum.buffer_for(t, torch.float32) if ctx.needs_input_grad[i] else None
                          for i, t in ((3, word_weight), (4, position_weight)))
         return y
 
@@ -232,12 +232,6 @@ class BertEmbeddingsFn(torch.autograd.Function):
                                      ctx.dropout_p, ctx.seed, ctx.padding_idx, *ctx.accs)
         dword, dpos = (None if acc is not None else g for acc, g in zip(ctx.accs, (dword, dpos)))
         return (None, None, None, dword, dpos, *rest, None, None, None, None)
-
-
-def _fp32_buffer(table):
-    """``table``'s gradient buffer (ops/grad_accum.py) when it is fp32 (the kernel's atomics add fp32), else None."""
-    buf = grad_accum.buffer_for(table)
-    return buf if buf is not None and buf.dtype == torch.float32 else None
 
 
 def bert_embeddings(input_ids, position_ids, token_type_ids, word_weight, position_weight, type_weight,

@@ -45,10 +45,12 @@ def accumulating(buffers: dict):
         _BUFFERS.clear()
 
 
-def buffer_for(param: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The buffer ``param``'s weight gradient is to be added into, or None (outside :func:`accumulating`, or
-    a tensor that is not one of its parameters)."""
+def buffer_for(param: Optional[torch.Tensor], dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+    """The buffer ``param``'s weight gradient is to be added into, or None (outside :func:`accumulating`, a
+    tensor that is not one of its parameters, or with ``dtype`` a buffer of another dtype: for an op that can
+    add only in that dtype, which then returns its gradient to autograd)."""
     if not _BUFFERS or param is None:
         return None
     hit = _BUFFERS.get(id(param))
-    return hit[1] if hit is not None and hit[0] is param else None
+    buf = hit[1] if hit is not None and hit[0] is param else None
+    return buf if buf is None or dtype is None or buf.dtype == dtype else None

@@ -274,9 +274,7 @@ class LinearCrossEntropyFn(torch.autograd.Function):
         loss, correct, dl = _fwd_op(h, w, b, labels, weight.shape[0])
         ctx.save_for_backward(h, w, b, labels, dl)
         ctx.vocab, ctx.dtypes = weight.shape[0], (weight.dtype, bias.dtype)
-        ctx.wacc = grad_accum.buffer_for(weight) if ctx.needs_input_grad[1] else None
-        if ctx.wacc is not None and ctx.wacc.dtype != torch.float32:
-            ctx.wacc = None
+        ctx.wacc = grad_accum.buffer_for(weight, torch.float32) if ctx.needs_input_grad[1] else None
         ctx.mark_non_differentiable(correct)
         return loss, correct
 

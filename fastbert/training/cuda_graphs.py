@@ -28,10 +28,11 @@ Rules that keep replays equal to eager steps:
   step, and a graph captured then adds each micro-batch's gradients into it itself: the weight-gradient
   GEMMs of the fused ops add their products into ``.grad`` (``ops/grad_accum.py``: beta = 1, no pass of
   their own), the embedding backward's atomics add into the word and position tables' (the word table's
-  other half, the tied decoder's, comes from its GEMM into the same buffer) and the other gradients are added by one multi-tensor addition inside the graph, so autograd
-  adds nothing after a replay (before: one addition kernel per parameter, 1.3 GB of fp32 gradients read
-  twice and written twice a BERT-large micro-batch). ``FASTBERT_GRAPH_ACCUMULATE=0`` keeps autograd's
-  additions (the graph's gradient outputs added into ``.grad`` after each replay);
+  other half, the tied decoder's, comes from its GEMM into the same buffer) and the other gradients are
+  added by one multi-tensor addition inside the graph, so autograd adds nothing after a replay (before:
+  one addition kernel per parameter, 1.3 GB of fp32 gradients read twice and written twice a BERT-large
+  micro-batch). ``FASTBERT_GRAPH_ACCUMULATE=0`` keeps autograd's additions (the graph's gradient outputs
+  added into ``.grad`` after each replay);
 - eval mode, no-grad calls and any batch without ``packed`` run the eager model.
 """
 from __future__ import annotations

@@ -189,6 +189,7 @@ def test_no_buffer_outside_the_context_and_for_other_tensors():
     assert grad_accum.buffer_for(w) is None
     with grad_accum.accumulating({w: buf}):
         assert grad_accum.buffer_for(w) is buf
+        assert grad_accum.buffer_for(w, buf.dtype) is buf and grad_accum.buffer_for(w, torch.float16) is None
         assert grad_accum.buffer_for(other) is None and grad_accum.buffer_for(None) is None
         assert grad_accum.buffer_for(w.detach()) is None   # the parameter itself, not a tensor sharing it
         with pytest.raises(RuntimeError, match="does not nest"):
