@@ -24,6 +24,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+    # Files holding a test marked `slow` run first (their order kept): scripts/test.sh hands whole files to two
+    # workers (pytest-xdist, --dist loadfile) in this order, so the longest ones start at once instead of last.
+    slow_files = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: item.path not in slow_files)
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,8 @@ def _newcomer_env(data_dir: Path) -> dict:
            if k not in ("VIRTUAL_ENV", "PYTHONPATH", "TORCH_EXTENSIONS_DIR", "TRITON_INTERPRET", "PYTHONHOME")}
     path = [p for p in env.get("PATH", "").split(os.pathsep) if p and not (Path(p) / "activate").is_file()]
     env["PATH"] = os.pathsep.join([str(_system_python().parent), *path])
-    env.update(DATA=str(data_dir), PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="2")
+    env.update(DATA=str(data_dir), PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="",
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))  # scripts/test.sh: 1 (two workers)
     return env
 
 

@@ -41,6 +41,7 @@ def test_readme_block(lang, code, skip, data_dir):
                                 f"--- stderr\n{res.stderr[-4000:]}"
 
 
+@pytest.mark.slow
 def test_demo_script_runs_the_main_job(data_dir, tmp_path):
     """scripts/demo.sh as in the Quick start, with a short step budget instead of 3 minutes."""
     res = subprocess.run(["bash", "scripts/demo.sh", "train.time_budget=null", "train.max_steps=4",

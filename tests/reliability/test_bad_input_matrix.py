@@ -24,6 +24,8 @@ import pytest
 
 from reliability_harness import TINY_MODEL, cpu_env, prepare_slice, tiny_config, write_config
 
+pytestmark = pytest.mark.slow          # one module fixture runs every row (~2.5 min on two cores)
+
 VOCAB = "vocab/bert-base-uncased/vocab.txt"
 
 

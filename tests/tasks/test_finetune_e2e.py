@@ -38,6 +38,7 @@ def squad_dir(tmp_path_factory, data_dir):
     return d
 
 
+@pytest.mark.slow
 def test_squad_end_to_end(tmp_path, squad_dir, minilm_dir, tokenizer):
     args = TrainArgs(epochs=1, lr=3e-4, head_lr=1e-3, batch_size=16, warmup=0.1, seed=0, progress=False)
     opts = dict(doc_stride=32, max_query_len=32)

@@ -56,6 +56,7 @@ def test_identical_without_dropout(tmp_path, data_dir, minilm_dir, tokenizer):
     assert len(fb_pred) == 64
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task_name, n_train, epochs, max_seq_len", [("sst2", 512, 1, 64), ("mrpc", 384, 2, 64)])
 def test_dev_metrics_agree_with_hf(tmp_path, data_dir, minilm_dir, tokenizer, task_name, n_train, epochs,
                                    max_seq_len):
