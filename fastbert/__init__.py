@@ -3,33 +3,39 @@
 Two kernel paths, one model: ``kernels="torch"`` (plain PyTorch reference, any device) and
 ``kernels="triton"`` (fused kernels; needs the optional triton package). Public shapes follow HF
 transformers; inside the encoder tokens are unpadded to ``(total_tokens, hidden)``.
+
+The names below load on first use (PEP 562), so ``import fastbert`` and the ``fastbert`` command's
+``--help``, argument checks and usage errors do not wait seconds for torch; ``from fastbert import
+BertModel`` works as always.
 """
+import importlib
+
 __version__ = "0.1.0"
 
-from fastbert.config import BertConfig
-from fastbert.model import BertModel
-from fastbert.heads import (
-    BertForMaskedLM,
-    BertForMultipleChoice,
-    BertForNextSentencePrediction,
-    BertForPreTraining,
-    BertForQuestionAnswering,
-    BertForSequenceClassification,
-    BertForTokenClassification,
-)
-from fastbert.patch import patch, unpatch
+_WHERE = {
+    "BertConfig": "fastbert.config",
+    "BertModel": "fastbert.model",
+    "BertForPreTraining": "fastbert.heads",
+    "BertForMaskedLM": "fastbert.heads",
+    "BertForNextSentencePrediction": "fastbert.heads",
+    "BertForSequenceClassification": "fastbert.heads",
+    "BertForTokenClassification": "fastbert.heads",
+    "BertForQuestionAnswering": "fastbert.heads",
+    "BertForMultipleChoice": "fastbert.heads",
+    "patch": "fastbert.hf_patch",
+    "unpatch": "fastbert.hf_patch",
+    "UnsupportedModelError": "fastbert.hf_patch",
+}
+__all__ = ["__version__", *_WHERE]
 
-__all__ = [
-    "patch",
-    "unpatch",
-    "__version__",
-    "BertConfig",
-    "BertModel",
-    "BertForPreTraining",
-    "BertForMaskedLM",
-    "BertForNextSentencePrediction",
-    "BertForSequenceClassification",
-    "BertForTokenClassification",
-    "BertForQuestionAnswering",
-    "BertForMultipleChoice",
-]
+
+def __getattr__(name):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'fastbert' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

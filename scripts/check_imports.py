@@ -3,7 +3,7 @@ and every import cycle. Lazy (function-level) imports count too: they are arrows
 
 Layers, bottom to top (a module may import its own layer and those below):
     errors (and the leaf utilities io, textio) < config, ops, padding < tokenization, data
-    < model, encoder_fn, hf, heads, patch, padding_rows < training, tasks, analysis, sentence_embeddings
+    < model, encoder_fn, hf, heads, hf_patch, padding_rows < training, tasks, analysis, sentence_embeddings
     < commands < cli
 
     python3 scripts/check_imports.py        # exit status 1 when an arrow runs up or a cycle exists
@@ -19,7 +19,7 @@ LAYERS = [
     {"errors", "io", "textio"},
     {"config", "ops", "padding"},
     {"tokenization", "data"},
-    {"model", "encoder_fn", "hf", "heads", "patch", "padding_rows"},
+    {"model", "encoder_fn", "hf", "heads", "hf_patch", "padding_rows"},
     {"training", "tasks", "analysis", "sentence_embeddings"},
     {"commands"},
     {"cli", "__main__"},

@@ -10,7 +10,6 @@ padding: tests/model/test_hf_modeling_port.py.)
 """
 import copy
 import inspect
-import sys
 
 import pytest
 import torch
@@ -18,9 +17,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import BertConfig, BertForPreTraining, BertForSequenceClassification, BertModel  # noqa: E402
 
-import fastbert.patch  # noqa: E402,F401
+import fastbert.hf_patch as fp  # noqa: E402
 
-fp = sys.modules["fastbert.patch"]  # the module (fastbert.patch the attribute is the function)
 TOL = dict(rtol=1e-4, atol=1e-5)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # kernels="triton" needs CUDA or the interpreter
 LENGTHS = [17, 9, 1]

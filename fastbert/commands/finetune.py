@@ -25,7 +25,7 @@ Runs in one process, or under a launcher: deepspeed --num_gpus N --module fastbe
 
 
 def add_parser(sub):
-    from fastbert.tasks.finetune import TASK_NAMES
+    from fastbert.tasks import TASK_NAMES
 
     p = sub.add_parser("finetune", help="fine-tune on GLUE, SQuAD, NER or multiple choice",
                        description="Fine-tune a BERT checkpoint on a downstream task and evaluate it on the dev set. "

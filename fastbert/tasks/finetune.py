@@ -24,11 +24,11 @@ from fastbert.data.glue import TASKS as GLUE_TASKS
 from fastbert.errors import DataError
 from fastbert.io import atomic_path, atomic_write_text
 from fastbert.ops import resolve_kernels
+from fastbert.tasks import TASK_NAMES
 from fastbert.tasks.trainer import TrainArgs, build_finetune_engine, param_groups, train
 
 log = logging.getLogger("fastbert")
 
-TASK_NAMES = tuple(GLUE_TASKS) + ("squad", "ner", "multiple-choice")
 TOKENIZER_FILES = ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.json")
 
 

@@ -154,7 +154,8 @@ def build_finetune_engine(model: torch.nn.Module, groups: list[dict], args: Trai
 
     from fastbert.training.engine import (TrainEngine, build_ds_config, deepspeed_view, init_distributed,
                                           resolve_precision, use_fp8)
-    from fastbert.training.optim import OptimizerSpec, build_client_optimizer
+    from fastbert.training.optim import build_client_optimizer
+    from fastbert.training.optim_spec import OptimizerSpec
 
     dist = init_distributed()
     model = model.to(dist.device)

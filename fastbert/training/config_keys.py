@@ -212,7 +212,7 @@ def problem(key: str, value, typ: str):
 def _optimizer_problem(value):
     if not isinstance(value, dict):
         return 'must be an object, e.g. {"type": "adamw", "lr": 1e-3}'
-    from fastbert.training.optim import OptimizerSpec
+    from fastbert.training.optim_spec import OptimizerSpec
     for k in ("lr", "eps", "weight_decay"):
         if k in value and not (_is_number(value[k]) and value[k] >= 0):
             return f"has {k}={value[k]!r}; it must be a number >= 0"

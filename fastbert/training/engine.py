@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from fastbert.ops import weight_casts
-from fastbert.training.optim import (AdamW, OptimizerSpec, build_client_optimizer, ds_optimizer_entry,
-                                     param_groups)
+from fastbert.training.optim import AdamW, build_client_optimizer, param_groups
+from fastbert.training.optim_spec import OptimizerSpec, ds_optimizer_entry
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "auto")
 

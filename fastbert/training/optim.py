@@ -1,6 +1,6 @@
 """Optimizers: which implementation runs where, weight-decay groups, and a plain-PyTorch LAMB.
 
-Choice (``OptimizerSpec.type`` = ``"adamw"`` or ``"lamb"``):
+Choice (``OptimizerSpec.type``, ``optim_spec.py``: ``"adamw"`` or ``"lamb"``):
 
 * CUDA, no offload: AdamW is :class:`AdamW` below (torch's ``AdamW(fused=True)`` whose step is one Triton
   launch a parameter group that also writes the weights' 16-bit copies, ``ops/adamw.py``) handed to DeepSpeed as
@@ -14,39 +14,15 @@ cut across tensors, so LAMB there would silently compute the wrong ratio: refuse
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 import torch
 
 from fastbert.ops import adamw
 from fastbert.ops._common import INTERPRET, HAS_TRITON
+from fastbert.training.optim_spec import OptimizerSpec
 
 NO_DECAY_MARKERS = ("bias", "LayerNorm", "layer_norm", "layernorm", "norm.weight", "ln_")
-
-
-@dataclass
-class OptimizerSpec:
-    type: str = "adamw"
-    lr: float = 1e-4
-    betas: tuple = (0.9, 0.999)
-    eps: float = 1e-6
-    weight_decay: float = 0.01
-    extra: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        self.type = self.type.lower()
-        if self.type not in ("adamw", "adam", "lamb"):
-            raise ValueError(f"optimizer type {self.type!r} is not supported; use 'adamw' or 'lamb'")
-        self.betas = tuple(float(b) for b in self.betas)
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError(f"optimizer betas must be two numbers in [0, 1), got {self.betas}")
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "OptimizerSpec":
-        d = dict(d)
-        known = {"type", "lr", "betas", "eps", "weight_decay"}
-        return cls(**{k: d.pop(k) for k in list(d) if k in known}, extra=d)
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -58,17 +34,6 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         (no_decay if p.ndim < 2 or any(m in name for m in NO_DECAY_MARKERS) else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
-
-
-def ds_optimizer_entry(spec: OptimizerSpec) -> dict:
-    """The ``optimizer`` entry of a DeepSpeed config (DeepSpeed picks the fused/CPU implementation)."""
-    params = {"lr": spec.lr, "betas": list(spec.betas), "eps": spec.eps, "weight_decay": spec.weight_decay}
-    if spec.type in ("adamw", "adam"):
-        params["adam_w_mode"] = spec.type == "adamw"
-        params.update(spec.extra)
-        return {"type": "Adam", "params": params}
-    params.update(spec.extra)
-    return {"type": "Lamb", "params": params}
 
 
 def apex_lamb_available() -> bool:

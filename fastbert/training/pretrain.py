@@ -35,11 +35,12 @@ from fastbert.training import determinism, hf_export, preflight
 from fastbert.training.engine import DistInfo, all_reduce_sum, barrier, build_engine, load_ds_config
 from fastbert.training.guard import SpikeGuard, Verdict, install as install_guard
 from fastbert.training.interrupt import StopRequest
+from fastbert.training.host_copy import LaggedAllReduceMax
 from fastbert.training.logging import MetricsLogger, peak_tflops
 from fastbert.training.manifest import build_manifest, write_manifest
 from fastbert.training.pretrain_metrics import Accumulator, evaluate, host_counts, static_inputs, train_metrics
 from fastbert.training.resume import choose_resume, model_signature, reseed, universal_if_needed
-from fastbert.training.schedules import LaggedAllReduceMax, Schedule, StepSchedule, TimeBudgetSchedule, make_clock
+from fastbert.training.schedules import Schedule, StepSchedule, TimeBudgetSchedule, make_clock
 
 
 # ------------------------------------------------------------------------------------------ set-up

@@ -26,10 +26,6 @@ import math
 import time
 from typing import Callable, Optional
 
-import torch
-
-from fastbert.training.host_copy import HostCopy
-
 
 # ---------------------------------------------------------------------------------------- clocks
 class MonotonicClock:
@@ -176,9 +172,9 @@ class TimeBudgetSchedule(Schedule):
     Call ``start()`` once all ranks are ready (after any resume), then ``tick()`` exactly once per
     optimizer step, just before it: it reads the clock, agrees on the elapsed time across ranks (MAX,
     so the slowest view of time wins) and returns the learning rate for that step. ``all_reduce_max``
-    may answer one call late (``LaggedAllReduceMax``: no wait on the device each step); every rank then
-    uses the same agreed time, one step old, so the learning rates and the last step agree everywhere
-    and a run may overrun its budget by one step. ``elapsed`` survives a resume through ``state_dict``
+    may answer one call late (``host_copy.LaggedAllReduceMax``: no wait on the device each step); every
+    rank then uses the same agreed time, one step old, so the learning rates and the last step agree
+    everywhere and a run may overrun its budget by one step. ``elapsed`` survives a resume through ``state_dict``
     (time between a crash and the restart is not counted: the budget measures training time).
     ``max_steps``, when set, is a hard cap on the steps as well.
     """
@@ -264,32 +260,3 @@ def _check(peak_lr, warmup, shape):
         raise ValueError(f"warmup is a fraction of the budget in [0, 1], got {warmup}")
     if shape not in SHAPES:
         raise ValueError(f"schedule shape {shape!r} is not known; use one of {sorted(SHAPES)}")
-
-
-class LaggedAllReduceMax:
-    """MAX of one float over the default process group, read one call late: each call starts the
-    reduction of this rank's value and returns the agreed value of the call before (None on the first), so
-    the host never waits for the step it just launched. On CUDA the result comes back as a ``HostCopy``
-    recorded behind the previous step's work, as the guard's verdicts do; on the CPU (gloo) the
-    collective itself blocks. Identity (no lag) without a group or with one rank."""
-
-    def __init__(self, device):
-        self.device = torch.device(device)
-        self._pending: Optional[HostCopy] = None
-
-    def __call__(self, x: float) -> Optional[float]:
-        import torch.distributed as dist
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return x
-        cuda = self.device.type == "cuda"
-        t = torch.tensor([x], dtype=torch.float64, pin_memory=cuda)
-        if cuda:
-            t = t.to(self.device, non_blocking=True)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        previous, self._pending = self._pending, HostCopy(t)
-        return None if previous is None else float(previous.wait()[0])
-
-    def peek(self) -> Optional[float]:
-        """The agreed value of the last call (waits for it), still to be returned by the next call; None
-        when there is none. For a checkpoint: it holds the time the next step will be given."""
-        return None if self._pending is None else float(self._pending.wait()[0])

@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 
 from fastbert.cli import _strip_launcher_local_rank, build_parser, main
 
@@ -32,6 +33,48 @@ def test_deepspeed_local_rank_is_moved_to_the_environment(monkeypatch):
 def test_no_command_prints_help_and_fails(capsys):
     assert main([]) == 2
     assert "COMMAND" in capsys.readouterr().out
+
+
+_NO_TORCH = """
+import sys
+from fastbert.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as e:  # argparse's --help / --version / usage errors
+    code = e.code
+loaded = sorted(m for m in ("torch", "triton", "deepspeed", "transformers") if m in sys.modules)
+print("LOADED", loaded, file=sys.stderr)
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("argv, code, says", [
+    (["--help"], 0, "COMMAND"),
+    (["--version"], 0, "fastbert 0.1.0"),
+    (["finetune", "--help"], 0, "multiple-choice"),
+    (["pretrain", "--config", "missing.json"], 2, "config file not found: missing.json"),
+    (["pretrain", "--config", "configs/tiny.json", "train.foo=1"], 2, "unknown config key 'train.foo'"),
+    (["pretrain", "--show-config"], 0, "train.max_steps"),
+])
+def test_help_and_usage_errors_load_no_torch(argv, code, says):
+    """``fastbert --help``, ``--version``, a subcommand's help and pretraining's config errors answer in a
+    fraction of a second: nothing on their path imports torch (the package's names load on first use)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", _NO_TORCH, *argv], capture_output=True, text=True, cwd=root)
+    assert r.returncode == code, r.stderr
+    assert says in r.stdout + r.stderr
+    assert "LOADED []" in r.stderr
+
+
+def test_package_names_load_on_first_use():
+    import fastbert
+    assert set(fastbert.__all__) <= set(dir(fastbert))
+    from fastbert import BertModel, UnsupportedModelError, patch
+    from fastbert.hf_patch import patch as patch_fn
+    assert patch is patch_fn and fastbert.patch is patch_fn and BertModel.__module__ == "fastbert.model"
+    assert issubclass(UnsupportedModelError, ValueError)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        fastbert.nope
 
 
 def test_embed_bad_input_is_one_clear_error(tmp_path):

@@ -36,7 +36,7 @@ import transformers
 import fastbert
 from fastbert.config import ConfigError
 from fastbert.hf import fastbert_to_hf, load_converted
-from fastbert.patch import UnsupportedModelError
+from fastbert import UnsupportedModelError
 
 TOL = dict(atol=1e-5, rtol=1e-4)
 TESTER = dict(batch_size=13, seq_length=7, vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

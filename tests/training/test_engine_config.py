@@ -9,7 +9,8 @@ import torch
 
 from fastbert.training.checkpoint import MARKER, apply_retention, complete_tags, find_latest
 from fastbert.training.engine import EngineConfigError, build_ds_config
-from fastbert.training.optim import AdamW, OptimizerSpec, TorchLamb, param_groups
+from fastbert.training.optim import AdamW, TorchLamb, param_groups
+from fastbert.training.optim_spec import OptimizerSpec
 
 CPU = torch.device("cpu")
 

@@ -28,7 +28,7 @@ from pretrain_harness import (by_step, kill9, launch, prepare_slice, records, ru
 BUDGET, TICK, SKEW = 30.0, 1.0, 0.5       # fake seconds; rank r's clock advances TICK * (1 + SKEW * r) per read
 LR, WARMUP = 3e-3, 0.1
 FAST = TICK * (1 + SKEW)                  # the fastest rank's tick: what the all-reduce (MAX) must agree on
-# The agreement arrives one step late (schedules.LaggedAllReduceMax: no wait on the device each step): step k
+# The agreement arrives one step late (host_copy.LaggedAllReduceMax: no wait on the device each step): step k
 # (0-based) is given FAST*k, the MAX of the times read at step k-1 (0 at the first); the run stops at the first
 # step given BUDGET or more.
 STEPS = int(BUDGET // FAST)

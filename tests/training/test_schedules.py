@@ -73,7 +73,7 @@ def test_lagged_all_reduce_max(monkeypatch):
     """Without a process group (or with one rank) it is the identity; with several ranks each call starts a
     reduction and returns the previous call's result (here gloo's blocking path, faked: MAX with 2.0)."""
     import torch.distributed as dist
-    from fastbert.training.schedules import LaggedAllReduceMax
+    from fastbert.training.host_copy import LaggedAllReduceMax
     assert LaggedAllReduceMax("cpu")(3.0) == 3.0
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
