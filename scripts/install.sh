@@ -60,7 +60,7 @@ else
   echo "[install] python dependencies"
   "${PIP[@]}" "numpy>=1.24" "safetensors>=0.4" "tqdm>=4.60" "pybind11>=2.10" setuptools wheel ninja \
     "triton>=3.0" "transformers>=4.40" "tokenizers>=0.15" "tensorboard>=2.10" "matplotlib>=3.6" \
-    "scipy>=1.10" "scikit-learn>=1.2" "pytest>=7" "pytest-xdist>=3" "hypothesis>=6" "pytest-benchmark>=4" hjson
+    "scipy>=1.10" "scikit-learn>=1.2" "pytest>=7" "pytest-xdist>=3.6" "hypothesis>=6" "pytest-benchmark>=4" hjson
   if "$PY" -c 'import sys, torch; sys.exit(torch.version.cuda is None)' >/dev/null 2>&1 && ! have cutlass_library &&
      { command -v nvcc >/dev/null 2>&1 || [ -n "${CUDA_HOME:-}" ]; }; then
     echo "[install] CUTLASS's headers (nvidia-cutlass, 6 MB): setup.py builds the FFN's sm_90 GEMMs with them"

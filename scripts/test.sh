@@ -11,4 +11,7 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.torch_extensions}
 # two workers of two OpenMP threads on CI's two cores spin against each other (a fine-tuning test ran 3.4x
 # slower). `-n 0` (or `-n N`) in the arguments overrides the workers; OMP_NUM_THREADS=N the threads.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile "$@" tests
+# --no-loadscope-reorder: files start in tests/conftest.py's order (longest first; xdist would otherwise sort them
+# by their number of tests, which put the 5-minute Quick start test last). --durations=25: the slowest tests, to
+# keep that order current.
+exec python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=25 "$@" tests
