@@ -8,7 +8,7 @@ The names below load on first use (PEP 562), so ``import fastbert`` and the ``fa
 ``--help``, argument checks and usage errors do not wait seconds for torch; ``from fastbert import
 BertModel`` works as always.
 """
-import importlib
+from fastbert.lazy import lazy_names
 
 __version__ = "0.1.0"
 
@@ -28,14 +28,4 @@ _WHERE = {
 }
 __all__ = ["__version__", *_WHERE]
 
-
-def __getattr__(name):
-    if name not in _WHERE:
-        raise AttributeError(f"module 'fastbert' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _WHERE)

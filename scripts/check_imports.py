@@ -2,7 +2,7 @@
 and every import cycle. Lazy (function-level) imports count too: they are arrows all the same.
 
 Layers, bottom to top (a module may import its own layer and those below):
-    errors (and the leaf utilities io, textio) < config, ops, padding < tokenization, data
+    errors (and the leaf utilities io, textio, lazy) < config, ops, padding < tokenization, data
     < model, encoder_fn, hf, heads, hf_patch, padding_rows < training, tasks, analysis, sentence_embeddings
     < commands < cli
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "fastbert"
 LAYERS = [
-    {"errors", "io", "textio"},
+    {"errors", "io", "textio", "lazy"},
     {"config", "ops", "padding"},
     {"tokenization", "data"},
     {"model", "encoder_fn", "hf", "heads", "hf_patch", "padding_rows"},

@@ -7,7 +7,7 @@ mode (``determinism``), run manifests (``manifest``) and seed sweeps (``seeds``)
 
 DeepSpeed is imported only when an engine is built, and the names below load on first use (PEP 562): importing
 this package, or its torch-free modules (``config``, ``config_keys``, ``schedules``), does not load torch."""
-import importlib
+from fastbert.lazy import lazy_names
 
 _WHERE = {
     "DistInfo": "fastbert.training.engine",
@@ -22,14 +22,4 @@ _WHERE = {
 }
 __all__ = list(_WHERE)
 
-
-def __getattr__(name):
-    if name not in _WHERE:
-        raise AttributeError(f"module 'fastbert.training' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _WHERE)

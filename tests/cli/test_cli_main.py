@@ -75,6 +75,10 @@ def test_package_names_load_on_first_use():
     assert issubclass(UnsupportedModelError, ValueError)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         fastbert.nope
+    import fastbert.training
+    from fastbert.training import OptimizerSpec, parse_duration
+    assert fastbert.training.OptimizerSpec is OptimizerSpec and parse_duration("2m") == 120.0
+    assert not hasattr(fastbert.training, "nope") and "build_engine" in dir(fastbert.training)
 
 
 def test_embed_bad_input_is_one_clear_error(tmp_path):
