@@ -34,16 +34,6 @@ class CheckpointError(ValueError):
 
 
 # ---------------------------------------------------------------------------------- conversion
-def not_a_checkpoint_hint(directory) -> str:
-    """For a folder that is not an HF checkpoint: where the checkpoint inside it is, if it holds one
-    (a ``fastbert pretrain`` output folder keeps its export in ``hf/``), else ''."""
-    d = Path(directory)
-    for sub in ("hf", "model"):
-        if (d / sub / "config.json").is_file() and (d / sub / "vocab.txt").is_file():
-            return f" ({d} looks like a training output folder: its HF checkpoint is {d / sub}, use --model {d / sub})"
-    return ""
-
-
 def hf_to_fastbert(state: dict[str, torch.Tensor], prefix_encoder: bool) -> dict[str, torch.Tensor]:
     """Convert an HF Bert* state dict to fastbert's layout.
 

@@ -40,7 +40,7 @@ def run(args) -> int:
         raise UsageError("--top-k must be >= 1")
     model_dir = Path(args.model)
     if not (model_dir / "vocab.txt").is_file():
-        from fastbert.hf import not_a_checkpoint_hint
+        from fastbert.errors import not_a_checkpoint_hint
         raise UsageError(f"{model_dir} has no vocab.txt: pass an HF checkpoint directory with its tokenizer files"
                          + not_a_checkpoint_hint(model_dir))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -89,9 +89,11 @@ def _formatter():
 
 
 def run(args) -> int:
+    from pathlib import Path
+
     from fastbert.errors import UsageError
-    from fastbert.tasks.finetune import FinetuneError, run_finetune
-    from fastbert.tasks.trainer import TrainArgs
+    from fastbert.tasks import TASK_NAMES, canonical_task
+    from fastbert.tasks.settings import FinetuneError, TrainArgs, check_args, check_checkpoint
 
     task = args.task.lower()
     max_seq_len = args.max_seq_len or (384 if task == "squad" else 128)
@@ -113,6 +115,14 @@ def run(args) -> int:
         raise UsageError("--train-file / --eval-file are for --task squad; other tasks read --data")
     if args.seeds < 1:
         raise UsageError("--seeds must be >= 1")
+    if canonical_task(task) is None:
+        raise UsageError(f"unknown task {args.task!r}; choose one of: {', '.join(TASK_NAMES)}")
+    try:  # before torch loads: bad input answered at once (run_finetune checks the same)
+        check_args(train_args, max_seq_len)
+        check_checkpoint(Path(args.model))
+    except FinetuneError as e:
+        raise UsageError(str(e)) from None
+    from fastbert.tasks.finetune import run_finetune
 
     def finetune_one(targs, output):
         try:
@@ -125,7 +135,6 @@ def run(args) -> int:
 
     if args.seeds > 1:
         import dataclasses
-        from pathlib import Path
 
         from fastbert.training.seeds import run_seeds
         out = Path(args.output or f"runs/finetune-{task}")

@@ -44,10 +44,10 @@ def _suppress():
 
 
 def run(args) -> int:
+    from pathlib import Path
+
     from fastbert.errors import UsageError
-    from fastbert.tasks.finetune import FinetuneError
-    from fastbert.tasks.sbert import run_sbert
-    from fastbert.tasks.trainer import TrainArgs
+    from fastbert.tasks.settings import FinetuneError, TrainArgs, check_args, check_checkpoint
 
     for flag in ("max_train_samples", "max_eval_samples"):
         value = getattr(args, flag)
@@ -57,6 +57,12 @@ def run(args) -> int:
         raise UsageError("--score-max must be > 0")
     train_args = TrainArgs(epochs=args.epochs, lr=args.lr, head_lr=args.head_lr, batch_size=args.batch_size,
                            warmup=args.warmup, seed=args.seed, precision=args.precision)
+    try:  # before torch loads: bad input answered at once (run_sbert checks the same)
+        check_args(train_args, args.max_seq_len)
+        check_checkpoint(Path(args.model))
+    except FinetuneError as e:
+        raise UsageError(str(e)) from None
+    from fastbert.tasks.sbert import run_sbert
     try:
         summary = run_sbert(args.model, args.data, args.objective, args.output, args.eval_data, train_args,
                             args.max_seq_len, args.max_train_samples, args.max_eval_samples, args.score_max,

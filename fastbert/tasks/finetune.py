@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import shutil
 import time
 from dataclasses import asdict
@@ -24,61 +23,34 @@ from fastbert.data.glue import TASKS as GLUE_TASKS
 from fastbert.errors import DataError
 from fastbert.io import atomic_path, atomic_write_text
 from fastbert.ops import resolve_kernels
-from fastbert.tasks import TASK_NAMES
-from fastbert.tasks.trainer import TrainArgs, build_finetune_engine, param_groups, train
+from fastbert.tasks import TASK_NAMES, canonical_task
+from fastbert.tasks.settings import FinetuneError, TrainArgs, check_args, check_checkpoint
+from fastbert.tasks.trainer import build_finetune_engine, param_groups, train
 
 log = logging.getLogger("fastbert")
 
 TOKENIZER_FILES = ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.json")
 
 
-class FinetuneError(ValueError):
-    """A fine-tuning set-up that cannot work; the message says what to change."""
-
-
 def make_task(name: str, data, tokenizer, max_seq_len: int, max_train_samples=None, max_eval_samples=None,
               **options):
     """The FinetuneTask for ``name`` (see TASK_NAMES); ``options`` are task-specific settings."""
-    key = name.lower()
+    key = canonical_task(name)
+    if key is None:
+        raise FinetuneError(f"unknown task {name!r}; choose one of: {', '.join(TASK_NAMES)}")
     common = dict(data=Path(data), tokenizer=tokenizer, max_seq_len=max_seq_len,
                   max_train_samples=max_train_samples, max_eval_samples=max_eval_samples)
-    if key.replace("-", "") in GLUE_TASKS:
+    if key in GLUE_TASKS:
         from fastbert.tasks.glue import GlueFinetuneTask
-        return GlueFinetuneTask(key.replace("-", ""), **common)
+        return GlueFinetuneTask(key, **common)
     if key == "squad":
         from fastbert.tasks.squad import SquadTask
         return SquadTask(**common, **options)
     if key == "ner":
         from fastbert.tasks.ner import NerTask
         return NerTask(**common)
-    if key in ("multiple-choice", "multiple_choice", "mc"):
-        from fastbert.tasks.multiple_choice import MultipleChoiceTask
-        return MultipleChoiceTask(**common)
-    raise FinetuneError(f"unknown task {name!r}; choose one of: {', '.join(TASK_NAMES)}")
-
-
-def check_checkpoint(model_dir: Path) -> dict:
-    """The checkpoint's config.json, after checking that the folder has weights and a vocabulary."""
-    if not model_dir.is_dir():
-        raise FinetuneError(f"model checkpoint folder not found: {model_dir} (pass an HF BERT checkpoint "
-                            "directory with config.json, model.safetensors and vocab.txt)")
-    for need in ("config.json", "vocab.txt"):
-        if not (model_dir / need).is_file():
-            from fastbert.hf import not_a_checkpoint_hint
-            raise FinetuneError(f"{model_dir} has no {need}: pass an HF BERT checkpoint directory "
-                                "(config.json, model.safetensors or pytorch_model.bin, vocab.txt)"
-                                + not_a_checkpoint_hint(model_dir))
-    try:
-        config = json.loads((model_dir / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise FinetuneError(f"{model_dir / 'config.json'} is not valid JSON ({e})") from None
-    with open(model_dir / "vocab.txt", encoding="utf-8", errors="replace") as f:
-        vocab_lines = sum(1 for _ in f)
-    vocab_size = config.get("vocab_size")
-    if isinstance(vocab_size, int) and vocab_lines > vocab_size:
-        raise FinetuneError(f"{model_dir / 'vocab.txt'} has {vocab_lines} tokens but the model's vocab_size is "
-                            f"{vocab_size}: token ids would fall outside the vocabulary; use the model's own vocab.txt")
-    return config
+    from fastbert.tasks.multiple_choice import MultipleChoiceTask
+    return MultipleChoiceTask(**common)
 
 
 def check_label_count(config: dict, model_cls: type, wanted: int, task: str) -> None:
@@ -115,7 +87,7 @@ def run_finetune(task_name: str, data, model_dir, output: Optional[str] = None, 
     if max_seq_len > int(config.get("max_position_embeddings", 512)):
         raise FinetuneError(f"--max-seq-len {max_seq_len} exceeds the model's max_position_embeddings "
                             f"{config.get('max_position_embeddings')}; use a smaller --max-seq-len")
-    _check_args(args, max_seq_len)
+    check_args(args, max_seq_len)
     kernels = resolve_kernels(kernels)
     tokenizer = tokenizer or load_tokenizer(model_dir)
     task = make_task(task_name, data, tokenizer, max_seq_len, max_train_samples, max_eval_samples,
@@ -174,22 +146,6 @@ def run_finetune(task_name: str, data, model_dir, output: Optional[str] = None, 
     summary["output"] = str(out_dir)
     summary["losses"] = result.losses
     return summary
-
-
-def _check_args(args: TrainArgs, max_seq_len: int) -> None:
-    if args.batch_size < 1:
-        raise FinetuneError("--batch-size must be >= 1")
-    if not args.epochs > 0 or not math.isfinite(args.epochs):
-        raise FinetuneError("--epochs must be > 0")
-    if not args.lr > 0 or (args.head_lr is not None and not args.head_lr > 0):
-        raise FinetuneError("--lr and --head-lr must be > 0")
-    if args.warmup < 0:
-        raise FinetuneError("--warmup must be >= 0 (a fraction of the steps, or a step count >= 1)")
-    if max_seq_len < 8:
-        raise FinetuneError("--max-seq-len must be >= 8")
-    if args.zero_stage not in (0, 1, 2):
-        raise FinetuneError("fine-tuning supports ZeRO stages 0, 1 and 2 (--zero-stage); stage 3 is for "
-                            "models that do not fit one GPU, which BERT fine-tuning never needs")
 
 
 __all__ = ["run_finetune", "make_task", "TASK_NAMES", "FinetuneError", "DataError"]

@@ -30,7 +30,8 @@ from fastbert.model import BertModel, ModelOutput, mean_pool
 from fastbert.ops import resolve_kernels
 from fastbert.tasks.base import batch_rows
 from fastbert.tasks.metrics import accuracy, pearson, spearman
-from fastbert.tasks.trainer import TrainArgs, build_finetune_engine, pad_batch, param_groups, train
+from fastbert.tasks.settings import TrainArgs
+from fastbert.tasks.trainer import build_finetune_engine, pad_batch, param_groups, train
 
 OBJECTIVES = ("classification", "regression")
 
@@ -148,7 +149,8 @@ def run_sbert(model_dir, data, objective: str, output=None, eval_data=None, args
               kernels: Optional[str] = None) -> dict:
     """Train Sentence-BERT on ``data`` (a pair TSV); evaluate on ``eval_data`` if given. Returns metrics.json."""
     from fastbert.io import atomic_write_text
-    from fastbert.tasks.finetune import check_checkpoint, copy_tokenizer_files, _check_args
+    from fastbert.tasks.finetune import copy_tokenizer_files
+    from fastbert.tasks.settings import check_args, check_checkpoint
     from fastbert.tokenization import load_tokenizer
     from fastbert.training.engine import barrier
     from fastbert.training.logging import MetricsLogger
@@ -158,7 +160,7 @@ def run_sbert(model_dir, data, objective: str, output=None, eval_data=None, args
     args = args or TrainArgs()
     model_dir = Path(model_dir)
     check_checkpoint(model_dir)
-    _check_args(args, max_seq_len)
+    check_args(args, max_seq_len)
     train_pairs, layout, kind = read_pairs(data, max_train_samples)
     dev_pairs = read_pairs(eval_data, max_eval_samples)[0] if eval_data else []
     tr_t, dv_t, labels, scale = prepare_targets(train_pairs, dev_pairs, objective, kind, score_max)

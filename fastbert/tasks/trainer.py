@@ -23,27 +23,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from tqdm import tqdm
 
+from fastbert.tasks.settings import TrainArgs
 from fastbert.training.engine import to_device
-
-
-@dataclass
-class TrainArgs:
-    epochs: float = 3.0
-    lr: float = 2e-5                 # pretrained (encoder) weights
-    head_lr: Optional[float] = None  # new task head; default: lr
-    batch_size: int = 32             # per rank
-    warmup: float = 0.1              # fraction of the optimizer steps (a value >= 1 is a step count)
-    weight_decay: float = 0.01
-    max_grad_norm: float = 1.0
-    seed: int = 42
-    freeze_encoder: bool = False
-    precision: str = "auto"          # fp32 | bf16 | fp16 | fp8 | auto (bf16 on CUDA, fp32 on CPU)
-    zero_stage: int = 0
-    ds_config: Optional[str] = None  # DeepSpeed JSON with ZeRO / offload settings
-    static_batches: bool = True      # token-bucketed packed batches where the task supports them
-    cuda_graphs: bool = True         # replay static-shape steps from CUDA graphs (CUDA, ZeRO-0, bf16/fp32)
-    log_every: int = 10
-    progress: bool = True
 
 
 NO_DECAY = ("bias", "LayerNorm.weight", "LayerNorm.bias", "layer_norm")

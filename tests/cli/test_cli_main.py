@@ -55,10 +55,16 @@ sys.exit(code)
     (["pretrain", "--config", "missing.json"], 2, "config file not found: missing.json"),
     (["pretrain", "--config", "configs/tiny.json", "train.foo=1"], 2, "unknown config key 'train.foo'"),
     (["pretrain", "--show-config"], 0, "train.max_steps"),
+    (["finetune", "--task", "nope", "--model", "m", "--data", "d"], 2, "unknown task 'nope'; choose one of: cola"),
+    (["finetune", "--task", "sst2", "--model", "m", "--data", "d", "--batch-size", "0"], 2, "--batch-size must be"),
+    (["finetune", "--task", "mc", "--model", "missing", "--data", "d"], 2, "checkpoint folder not found: missing"),
+    (["finetune", "--task", "sst2", "--model", "configs", "--data", "d"], 2, "configs has no config.json"),
+    (["sbert-train", "--model", "missing", "--data", "d", "--objective", "regression"], 2, "folder not found"),
 ])
 def test_help_and_usage_errors_load_no_torch(argv, code, says):
-    """``fastbert --help``, ``--version``, a subcommand's help and pretraining's config errors answer in a
-    fraction of a second: nothing on their path imports torch (the package's names load on first use)."""
+    """``fastbert --help``, ``--version``, a subcommand's help, pretraining's config errors and fine-tuning's
+    argument and checkpoint-folder errors answer in a fraction of a second: nothing on their path imports torch
+    (the package's names load on first use; the commands check their input before loading the rest)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run([sys.executable, "-c", _NO_TORCH, *argv], capture_output=True, text=True, cwd=root)
     assert r.returncode == code, r.stderr
