@@ -18,7 +18,7 @@ def load_encoder(model_dir, kernels: Optional[str] = None, device: Optional[str]
                  dtype: Optional[torch.dtype] = None):
     """``(model, tokenizer, device)`` for an HF BERT checkpoint folder (any Bert* head: the encoder is
     taken), in ``dtype``: by default fp32 on the CPU and bf16 on CUDA."""
-    from fastbert.errors import UsageError
+    from fastbert.errors import UsageError, not_a_checkpoint_hint
     from fastbert.model import BertModel
     from fastbert.tokenization import load_tokenizer
 
@@ -27,7 +27,6 @@ def load_encoder(model_dir, kernels: Optional[str] = None, device: Optional[str]
         raise UsageError(f"model checkpoint folder not found: {model_dir} (pass an HF BERT checkpoint directory)")
     for need in ("config.json", "vocab.txt"):
         if not (model_dir / need).is_file():
-            from fastbert.errors import not_a_checkpoint_hint
             raise UsageError(f"{model_dir} has no {need}: pass an HF BERT checkpoint directory with config.json, "
                              "weights and vocab.txt" + not_a_checkpoint_hint(model_dir))
     dev = resolve_device(device)

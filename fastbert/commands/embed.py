@@ -30,7 +30,7 @@ def run(args) -> int:
     import torch
 
     from fastbert import BertModel
-    from fastbert.errors import UsageError
+    from fastbert.errors import UsageError, not_a_checkpoint_hint
     from fastbert.io import atomic_path
     from fastbert.ops import resolve_kernels
     from fastbert.sentence_embeddings import encode_sentences, read_lines, top_k
@@ -40,7 +40,6 @@ def run(args) -> int:
         raise UsageError("--top-k must be >= 1")
     model_dir = Path(args.model)
     if not (model_dir / "vocab.txt").is_file():
-        from fastbert.errors import not_a_checkpoint_hint
         raise UsageError(f"{model_dir} has no vocab.txt: pass an HF checkpoint directory with its tokenizer files"
                          + not_a_checkpoint_hint(model_dir))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -92,8 +92,7 @@ def run(args) -> int:
     from pathlib import Path
 
     from fastbert.errors import UsageError
-    from fastbert.tasks import TASK_NAMES, canonical_task
-    from fastbert.tasks.settings import FinetuneError, TrainArgs, check_args, check_checkpoint
+    from fastbert.tasks.settings import FinetuneError, TrainArgs, check_args, check_checkpoint, check_task
 
     task = args.task.lower()
     max_seq_len = args.max_seq_len or (384 if task == "squad" else 128)
@@ -115,9 +114,8 @@ def run(args) -> int:
         raise UsageError("--train-file / --eval-file are for --task squad; other tasks read --data")
     if args.seeds < 1:
         raise UsageError("--seeds must be >= 1")
-    if canonical_task(task) is None:
-        raise UsageError(f"unknown task {args.task!r}; choose one of: {', '.join(TASK_NAMES)}")
     try:  # before torch loads: bad input answered at once (run_finetune checks the same)
+        check_task(args.task)
         check_args(train_args, max_seq_len)
         check_checkpoint(Path(args.model))
     except FinetuneError as e:

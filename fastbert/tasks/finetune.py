@@ -23,8 +23,8 @@ from fastbert.data.glue import TASKS as GLUE_TASKS
 from fastbert.errors import DataError
 from fastbert.io import atomic_path, atomic_write_text
 from fastbert.ops import resolve_kernels
-from fastbert.tasks import TASK_NAMES, canonical_task
-from fastbert.tasks.settings import FinetuneError, TrainArgs, check_args, check_checkpoint
+from fastbert.tasks import TASK_NAMES
+from fastbert.tasks.settings import FinetuneError, TrainArgs, check_args, check_checkpoint, check_task
 from fastbert.tasks.trainer import build_finetune_engine, param_groups, train
 
 log = logging.getLogger("fastbert")
@@ -35,9 +35,7 @@ TOKENIZER_FILES = ("vocab.txt", "tokenizer_config.json", "special_tokens_map.jso
 def make_task(name: str, data, tokenizer, max_seq_len: int, max_train_samples=None, max_eval_samples=None,
               **options):
     """The FinetuneTask for ``name`` (see TASK_NAMES); ``options`` are task-specific settings."""
-    key = canonical_task(name)
-    if key is None:
-        raise FinetuneError(f"unknown task {name!r}; choose one of: {', '.join(TASK_NAMES)}")
+    key = check_task(name)
     common = dict(data=Path(data), tokenizer=tokenizer, max_seq_len=max_seq_len,
                   max_train_samples=max_train_samples, max_eval_samples=max_eval_samples)
     if key in GLUE_TASKS:

@@ -1,6 +1,7 @@
 """What a fine-tuning run is given, checked before anything heavy loads: the training settings (``TrainArgs``),
-their bounds (``check_args``) and the checkpoint folder (``check_checkpoint``). No torch here, so the
-``fastbert finetune`` and ``sbert-train`` commands answer bad input at once; ``run_finetune`` checks the same."""
+their bounds (``check_args``), the task name (``check_task``) and the checkpoint folder (``check_checkpoint``).
+No torch here, so the ``fastbert finetune`` and ``sbert-train`` commands answer bad input at once;
+``run_finetune`` checks the same."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from fastbert.errors import not_a_checkpoint_hint
+from fastbert.tasks import TASK_NAMES, canonical_task
 
 
 class FinetuneError(ValueError):
@@ -51,6 +55,14 @@ def check_args(args: TrainArgs, max_seq_len: int) -> None:
                             "models that do not fit one GPU, which BERT fine-tuning never needs")
 
 
+def check_task(name: str) -> str:
+    """The task ``name`` stands for (``canonical_task``), or a FinetuneError listing the tasks."""
+    key = canonical_task(name)
+    if key is None:
+        raise FinetuneError(f"unknown task {name!r}; choose one of: {', '.join(TASK_NAMES)}")
+    return key
+
+
 def check_checkpoint(model_dir: Path) -> dict:
     """The checkpoint's config.json, after checking that the folder has weights and a vocabulary."""
     if not model_dir.is_dir():
@@ -58,7 +70,6 @@ def check_checkpoint(model_dir: Path) -> dict:
                             "directory with config.json, model.safetensors and vocab.txt)")
     for need in ("config.json", "vocab.txt"):
         if not (model_dir / need).is_file():
-            from fastbert.errors import not_a_checkpoint_hint
             raise FinetuneError(f"{model_dir} has no {need}: pass an HF BERT checkpoint directory "
                                 "(config.json, model.safetensors or pytorch_model.bin, vocab.txt)"
                                 + not_a_checkpoint_hint(model_dir))
