@@ -95,7 +95,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows, softma
     real tokens' keys and values ``k``, ``v`` ``(T, nh, hd)`` of their own batch row (HF's masked
     softmax; plain PyTorch, on a ``(batch, max_extra)`` grid of queries)."""
     real = rows.real
-    B, S = real.batch, real.seqlen
+    B = real.batch
     E, nh, hd = q.shape
     kp, vp = pad(k, real), pad(v, real)                               # (B, S, nh, hd), 0 at padding
     qp = q.new_zeros(B, rows.max_extra, nh, hd)

@@ -186,13 +186,11 @@ def run_sbert(model_dir, data, objective: str, output=None, eval_data=None, args
         return pad_batch(rows, {"a_input_ids": pad, "b_input_ids": pad})
 
     eval_bs = max(args.batch_size, 64)
-    evaluate = None
-    if dev_pairs:
-        def evaluate(epoch):
-            return evaluate_pairs(engine.module, tokenizer, dev_pairs, dv_t, max_seq_len, eval_bs)[0]
+    def dev_score(epoch):
+        return evaluate_pairs(engine.module, tokenizer, dev_pairs, dv_t, max_seq_len, eval_bs)[0]
 
     t0 = time.perf_counter()
-    result = train(engine, features, collate, args, logger=logger, evaluate=evaluate)
+    result = train(engine, features, collate, args, logger=logger, evaluate=dev_score if dev_pairs else None)
     summary = {"objective": objective, "layout": layout, "model": str(model_dir),
                "metrics": {k: v for k, v in (result.epoch_metrics[-1] if result.epoch_metrics else {}).items()
                            if k not in ("epoch", "step")},
