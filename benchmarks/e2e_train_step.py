@@ -54,7 +54,8 @@ warm-up). A graph contender's replays allocate nothing, their activations living
 capture, so its peak is mostly weights, optimizer state and gradients: "held GB" (max_memory_reserved, the pools
 included) is the figure to set beside HF's. "SM MHz, W": the card's median SM clock and board power over the timed
 steps (``gpu_clocks.py``, nvidia-smi every 50 ms): at a power cap the clock moves with the work and the data, and
-hosts differ.
+hosts differ. "mJ/seq": that power over the sequences a second, the energy a sequence costs; a step that runs at the
+cap goes faster only by costing less of it.
 
   python3 benchmarks/e2e_train_step.py --preset large --seq 128 --batch 128 --mode packed
   python3 benchmarks/e2e_train_step.py --preset large --seq 128 --batch 128 --probe-order
@@ -513,9 +514,9 @@ def print_table(results: list) -> None:
     ref = base.get("hf-sdpa")
     # The check loss is an eval forward (FP8 GEMMs run in training forwards only); the last training loss
     # (same batches, init and step count everywhere) is where FP8's rounding would show.
-    print("\n| contender | ms/step | seq/s | tokens/s | model TFLOP/s | MFU | peak GB | held GB | SM MHz, W | "
+    print("\n| contender | ms/step | seq/s | tokens/s | model TFLOP/s | MFU | peak GB | held GB | SM MHz, W | mJ/seq | "
           "loss diff vs hf-sdpa | last train loss | x hf-sdpa | x hf-compile | x fb-triton |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         sp = lambda k: f"{base[k]['ms_per_step'] / r['ms_per_step']:.2f}" if k in base else "-"  # noqa: E731
         diff = f"{abs(r['check_loss'] - ref['check_loss']):.4f}" if ref else "-"
@@ -523,8 +524,9 @@ def print_table(results: list) -> None:
         peak = f"{r['peak_mem_gb']:.1f}" if r["peak_mem_gb"] is not None else "-"
         held = f"{r['held_mem_gb']:.1f}" if r.get("held_mem_gb") is not None else "-"
         clk = f"{r['clocks']['sm_mhz']:.0f}, {r['clocks']['power_w']:.0f}" if r.get("clocks") else "-"
+        mj = f"{r['mj_per_seq']:.1f}" if r.get("mj_per_seq") is not None else "-"
         print(f"| {r['contender']} | {r['ms_per_step']:.2f} | {r['seq_per_s']:.0f} | {r['tokens_per_s']:.0f} | "
-              f"{r['tflops']:.0f} | {mfu} | {peak} | {held} | {clk} | {diff} | {r['final_loss']:.4f} | "
+              f"{r['tflops']:.0f} | {mfu} | {peak} | {held} | {clk} | {mj} | {diff} | {r['final_loss']:.4f} | "
               f"{sp('hf-sdpa')} | {sp('hf-compile')} | {sp('fb-triton')} |", flush=True)
 
 
@@ -621,6 +623,8 @@ def main(argv=None):
         r.update(seq_per_s=args.batch / r["ms_per_step"] * 1e3, tokens_per_s=real / r["ms_per_step"] * 1e3,
                  tflops=flops / r["ms_per_step"] / 1e9)
         r["mfu"] = r["tflops"] * 1e12 / PEAK_BF16 if device.type == "cuda" else None
+        # energy a sequence at the card's median board power (at the power cap, what the speed is bought with)
+        r["mj_per_seq"] = r["clocks"]["power_w"] / r["seq_per_s"] * 1e3 if r.get("clocks") else None
         results.append(r)
         peak = f"{r['peak_mem_gb']:.1f} GB" if r["peak_mem_gb"] is not None else "-"
         held = f", held {r['held_mem_gb']:.1f} GB" if r.get("held_mem_gb") is not None else ""
