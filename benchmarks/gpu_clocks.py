@@ -7,7 +7,13 @@ tells a slower host from slower code::
 
     with ClockSampler(device) as clocks:
         ...                      # the timed work
-    clocks.result                # {"sm_mhz": median, "power_w": median, "samples": n} or None
+    clocks.result                # {"sm_mhz": median, "power_w": median, "samples": n, "power_field": ...} or None
+
+The power is nvidia-smi's ``power.draw.instant`` where the tool has that field: its ``power.draw`` is an average over
+the last second on these GPUs (NVML's power usage on Ampere and newer), which lags the work by that second, so a
+window of one or two seconds read its first part at whatever ran before (the thirty-sixth to forty-third sessions'
+short windows read 640-660 W where steps that ran at the cap read 690 W over longer ones: RESULTS.md, forty-fourth
+session). Older tools that lack the field give ``power.draw``; ``result["power_field"]`` says which.
 
 ``result`` is None where there is nothing to sample (no ``nvidia-smi``, a CPU device, fewer than two samples, a
 run shorter than the sampling interval), the tool's output cannot be read, or ``FASTBERT_BENCH_CLOCKS=0`` turns the
@@ -30,6 +36,27 @@ def smi_id(index: int) -> str:
     set (the physical index or UUID), else the index itself."""
     visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     return visible[index] if index < len(visible) else str(index)
+
+
+_FIELDS: dict = {}  # (tool, device id) -> the power field nvidia-smi answers for it
+
+
+def power_field(tool: str, device: str) -> str:
+    """``power.draw.instant`` when ``tool`` answers a query for it with a number, else ``power.draw`` (asked once per
+    tool and device in a process)."""
+    key = (tool, device)
+    if key not in _FIELDS:
+        field = "power.draw"
+        try:
+            done = subprocess.run([tool, "-i", device, "--query-gpu=power.draw.instant", "--format=csv,noheader,nounits"],
+                                  capture_output=True, text=True, timeout=10)
+            float(done.stdout.strip().splitlines()[0])
+            if done.returncode == 0:
+                field = "power.draw.instant"
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            pass
+        _FIELDS[key] = field
+    return _FIELDS[key]
 
 
 def parse(text: str) -> Optional[dict]:
@@ -56,6 +83,7 @@ class ClockSampler:
 
     def __init__(self, device, interval_ms: int = 50):
         self.result: Optional[dict] = None
+        self.power_field: Optional[str] = None
         self._proc = None
         if isinstance(device, str):
             kind, _, number = device.partition(":")
@@ -69,7 +97,9 @@ class ClockSampler:
         if index is None:
             import torch
             index = torch.cuda.current_device()
-        self._cmd = [tool, "-i", smi_id(index), "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+        device = smi_id(index)
+        self.power_field = power_field(tool, device)
+        self._cmd = [tool, "-i", device, f"--query-gpu=clocks.sm,{self.power_field}", "--format=csv,noheader,nounits",
                      "-lms", str(interval_ms)]
 
     def __enter__(self) -> "ClockSampler":
@@ -90,3 +120,5 @@ class ClockSampler:
             self._proc.kill()
             out, _ = self._proc.communicate()
         self.result = parse(out or "")
+        if self.result is not None:
+            self.result["power_field"] = self.power_field

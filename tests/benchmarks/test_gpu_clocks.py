@@ -20,20 +20,26 @@ def load():
     return module
 
 
-def fake_smi(folder: Path, lines: list, record: Path) -> None:
+def fake_smi(folder: Path, lines: list, record: Path, instant: bool = True) -> None:
     """An ``nvidia-smi`` that writes its arguments to ``record``, prints ``lines`` and then waits to be stopped, as
-    the real one does with ``-lms``."""
+    the real one does with ``-lms``. Asked once for ``power.draw.instant`` (no ``-lms``) it answers a number, or
+    (``instant=False``) refuses the field with exit code 2, as a tool older than the field does."""
     script = folder / "nvidia-smi"
     body = "".join(f"print({line!r}, flush=True)\n" for line in lines)
-    head = f"#!{sys.executable}\nimport sys, time\nopen({str(record)!r}, 'w').write(' '.join(sys.argv[1:]))\n"
+    head = f"#!{sys.executable}\nimport sys, time\n"
+    once = ("print('701.25')\n" if instant else
+            "print('Field \"power.draw.instant\" is not a valid field to query.')\nsys.exit(2)\n")
+    head += f"if '-lms' not in sys.argv:\n    {once.replace(chr(10), chr(10) + '    ').rstrip()}\n    sys.exit(0)\n"
+    head += f"open({str(record)!r}, 'w').write(' '.join(sys.argv[1:]))\n"
     script.write_text(f"{head}{body}time.sleep(60)\n")
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
 
 
-def test_medians_of_the_samples(tmp_path, monkeypatch):
+@pytest.mark.parametrize("instant", [True, False], ids=["instant", "older-tool"])
+def test_medians_of_the_samples(tmp_path, monkeypatch, instant):
     gc = load()
     record = tmp_path / "args.txt"
-    fake_smi(tmp_path, ["1605, 689.5", "1710, 691.0", "[N/A], 12.0", "1500, 700.25", "garbage"], record)
+    fake_smi(tmp_path, ["1605, 689.5", "1710, 691.0", "[N/A], 12.0", "1500, 700.25", "garbage"], record, instant)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,GPU-abc")
     with gc.ClockSampler("cuda:1") as clocks:
@@ -41,9 +47,10 @@ def test_medians_of_the_samples(tmp_path, monkeypatch):
         while not record.exists() and time.time() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)
-    assert clocks.result == {"sm_mhz": 1605.0, "power_w": 691.0, "samples": 3}
+    field = "power.draw.instant" if instant else "power.draw"   # the instant reading where the tool has it
+    assert clocks.result == {"sm_mhz": 1605.0, "power_w": 691.0, "samples": 3, "power_field": field}
     args = record.read_text().split()
-    assert args[:2] == ["-i", "GPU-abc"] and "--query-gpu=clocks.sm,power.draw" in args and "-lms" in args
+    assert args[:2] == ["-i", "GPU-abc"] and f"--query-gpu=clocks.sm,{field}" in args and "-lms" in args
 
 
 @pytest.mark.parametrize("lines", [[], ["1605, 689.5"], ["not a number"]], ids=["none", "one", "unreadable"])
