@@ -54,8 +54,8 @@ warm-up). A graph contender's replays allocate nothing, their activations living
 capture, so its peak is mostly weights, optimizer state and gradients: "held GB" (max_memory_reserved, the pools
 included) is the figure to set beside HF's. "SM MHz, W": the card's median SM clock and board power over the timed
 steps (``gpu_clocks.py``, nvidia-smi every 50 ms): at a power cap the clock moves with the work and the data, and
-hosts differ. "mJ/seq": that power over the sequences a second, the energy a sequence costs; a step that runs at the
-cap goes faster only by costing less of it.
+hosts differ. "mJ/seq": the mean power over the sequences a second, the energy a sequence costs; a step that runs at
+the cap goes faster only by costing less of it.
 
   python3 benchmarks/e2e_train_step.py --preset large --seq 128 --batch 128 --mode packed
   python3 benchmarks/e2e_train_step.py --preset large --seq 128 --batch 128 --probe-order
@@ -623,8 +623,11 @@ def main(argv=None):
         r.update(seq_per_s=args.batch / r["ms_per_step"] * 1e3, tokens_per_s=real / r["ms_per_step"] * 1e3,
                  tflops=flops / r["ms_per_step"] / 1e9)
         r["mfu"] = r["tflops"] * 1e12 / PEAK_BF16 if device.type == "cuda" else None
-        # energy a sequence at the card's median board power (at the power cap, what the speed is bought with)
-        r["mj_per_seq"] = r["clocks"]["power_w"] / r["seq_per_s"] * 1e3 if r.get("clocks") else None
+        # energy a sequence: the card's mean board power over the timed steps (at the power cap, what the speed is
+        # bought with) over the sequences a second
+        clk = r.get("clocks") or {}
+        power = clk.get("power_mean_w", clk.get("power_w"))
+        r["mj_per_seq"] = power / r["seq_per_s"] * 1e3 if power else None
         results.append(r)
         peak = f"{r['peak_mem_gb']:.1f} GB" if r["peak_mem_gb"] is not None else "-"
         held = f", held {r['held_mem_gb']:.1f} GB" if r.get("held_mem_gb") is not None else ""

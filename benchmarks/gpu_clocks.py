@@ -7,13 +7,17 @@ tells a slower host from slower code::
 
     with ClockSampler(device) as clocks:
         ...                      # the timed work
-    clocks.result                # {"sm_mhz": median, "power_w": median, "samples": n, "power_field": ...} or None
+    clocks.result                # {"sm_mhz": median, "power_w": median, "power_mean_w": mean, "samples": n,
+                                 #  "power_field": ...} or None
 
-The power is nvidia-smi's ``power.draw.instant`` where the tool has that field: its ``power.draw`` is an average over
-the last second on these GPUs (NVML's power usage on Ampere and newer), which lags the work by that second, so a
-window of one or two seconds read its first part at whatever ran before (the thirty-sixth to forty-third sessions'
-short windows read 640-660 W where steps that ran at the cap read 690 W over longer ones: RESULTS.md, forty-fourth
-session). Older tools that lack the field give ``power.draw``; ``result["power_field"]`` says which.
+The power is nvidia-smi's ``power.draw.instant`` where the tool has that field. Its ``power.draw`` is the average
+over the last second on these GPUs (NVML's power usage on Ampere and newer, equal to ``power.draw.average``), which
+lags the work by that second: a window of one or two seconds read its start at whatever ran before. On an H200 the
+BERT-large step's 20-step window began at 331 W on ``power.draw`` while the instant reading was 722 W, so the
+thirty-sixth to forty-third sessions' 588-660 W for steps that in fact ran at the cap were the sampler's lag
+(RESULTS.md, forty-fourth session). The instant readings swing about +-40 W around the limit's 1-s average, so the
+mean (``power_mean_w``, what an energy figure takes) is steadier than the median. Older tools that lack the field
+give ``power.draw``; ``result["power_field"]`` says which.
 
 ``result`` is None where there is nothing to sample (no ``nvidia-smi``, a CPU device, fewer than two samples, a
 run shorter than the sampling interval), the tool's output cannot be read, or ``FASTBERT_BENCH_CLOCKS=0`` turns the
@@ -60,8 +64,8 @@ def power_field(tool: str, device: str) -> str:
 
 
 def parse(text: str) -> Optional[dict]:
-    """The medians of ``nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits`` lines (lines
-    that are not two numbers are skipped); None below two samples."""
+    """The medians (and the power's mean) of ``nvidia-smi --query-gpu=clocks.sm,<power field>
+    --format=csv,noheader,nounits`` lines (lines that are not two numbers are skipped); None below two samples."""
     rows = []
     for line in text.splitlines():
         parts = [p.strip() for p in line.split(",")]
@@ -73,7 +77,7 @@ def parse(text: str) -> Optional[dict]:
     if len(rows) < 2:
         return None
     return {"sm_mhz": statistics.median(r[0] for r in rows), "power_w": statistics.median(r[1] for r in rows),
-            "samples": len(rows)}
+            "power_mean_w": round(statistics.fmean(r[1] for r in rows), 2), "samples": len(rows)}
 
 
 class ClockSampler:

@@ -48,7 +48,8 @@ def test_medians_of_the_samples(tmp_path, monkeypatch, instant):
             time.sleep(0.05)
         time.sleep(0.5)
     field = "power.draw.instant" if instant else "power.draw"   # the instant reading where the tool has it
-    assert clocks.result == {"sm_mhz": 1605.0, "power_w": 691.0, "samples": 3, "power_field": field}
+    assert clocks.result == {"sm_mhz": 1605.0, "power_w": 691.0, "power_mean_w": 693.58, "samples": 3,
+                             "power_field": field}
     args = record.read_text().split()
     assert args[:2] == ["-i", "GPU-abc"] and f"--query-gpu=clocks.sm,{field}" in args and "-lms" in args
 
