@@ -13,11 +13,11 @@ tells a slower host from slower code::
 The power is nvidia-smi's ``power.draw.instant`` where the tool has that field. Its ``power.draw`` is the average
 over the last second on these GPUs (NVML's power usage on Ampere and newer, equal to ``power.draw.average``), which
 lags the work by that second: a window of one or two seconds read its start at whatever ran before. On an H200 the
-BERT-large step's 20-step window began at 331 W on ``power.draw`` while the instant reading was 722 W, so the
+BERT-large step's 20-step window began at 212 W on ``power.draw`` while the instant readings were at the limit, so the
 thirty-sixth to forty-third sessions' 588-660 W for steps that in fact ran at the cap were the sampler's lag
-(RESULTS.md, forty-fourth session). The instant readings swing about +-40 W around the limit's 1-s average, so the
-mean (``power_mean_w``, what an energy figure takes) is steadier than the median. Older tools that lack the field
-give ``power.draw``; ``result["power_field"]`` says which.
+(RESULTS.md, forty-fourth session). The instant readings swing tens of watts (up to ~90) around the limit's 1-s
+average, so the mean (``power_mean_w``, what an energy figure takes) is steadier than the median. Older tools that
+lack the field give ``power.draw``; ``result["power_field"]`` says which.
 
 ``result`` is None where there is nothing to sample (no ``nvidia-smi``, a CPU device, fewer than two samples, a
 run shorter than the sampling interval), the tool's output cannot be read, or ``FASTBERT_BENCH_CLOCKS=0`` turns the
@@ -52,8 +52,8 @@ def power_field(tool: str, device: str) -> str:
     if key not in _FIELDS:
         field = "power.draw"
         try:
-            done = subprocess.run([tool, "-i", device, "--query-gpu=power.draw.instant", "--format=csv,noheader,nounits"],
-                                  capture_output=True, text=True, timeout=10)
+            query = [tool, "-i", device, "--query-gpu=power.draw.instant", "--format=csv,noheader,nounits"]
+            done = subprocess.run(query, capture_output=True, text=True, timeout=10)
             float(done.stdout.strip().splitlines()[0])
             if done.returncode == 0:
                 field = "power.draw.instant"

@@ -186,6 +186,7 @@ def run_sbert(model_dir, data, objective: str, output=None, eval_data=None, args
         return pad_batch(rows, {"a_input_ids": pad, "b_input_ids": pad})
 
     eval_bs = max(args.batch_size, 64)
+
     def dev_score(epoch):
         return evaluate_pairs(engine.module, tokenizer, dev_pairs, dv_t, max_seq_len, eval_bs)[0]
 
