@@ -28,8 +28,8 @@ import re
 import unicodedata
 from pathlib import Path
 
-# SPECIAL_TOKEN_NAMES and load_vocab are re-exported: other modules import them from here.
-from fastbert.tokenization.base import SPECIAL_TOKEN_NAMES, TokenizerBase, load_vocab, padded_width
+# load_vocab is re-exported (__all__).
+from fastbert.tokenization.base import TokenizerBase, load_vocab, padded_width
 
 # ----------------------------------------------------------------------------------------------
 # Character classes (HF tokenizers semantics)
