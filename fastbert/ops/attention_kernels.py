@@ -424,12 +424,9 @@ def _bwd_dq_kernel(
     mask_d = offs_d < HEAD_DIM
     mask_md = mask_m[:, None] & mask_d[None, :]
 
-    q = tl.load(Q + start64 * stride_qt + head * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
-                mask=mask_md, other=0.0)
-    do = tl.load(DO + start64 * stride_dot + head * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
-                 mask=mask_md, other=0.0)
-    o = tl.load(O + start64 * stride_ot + head * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
-                mask=mask_md, other=0.0)
+    q = _load_rows(Q, start64, head, stride_qt, stride_qh, offs_m, offs_d, mask_md)
+    do = _load_rows(DO, start64, head, stride_dot, stride_doh, offs_m, offs_d, mask_md)
+    o = _load_rows(O, start64, head, stride_ot, stride_oh, offs_m, offs_d, mask_md)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + head * stride_lse_h + start + offs_m, delta, mask=mask_m)
     lse = tl.load(LSE + head * stride_lse_h + start + offs_m, mask=mask_m, other=0.0)
