@@ -625,8 +625,7 @@ def main(argv=None):
         r["mfu"] = r["tflops"] * 1e12 / PEAK_BF16 if device.type == "cuda" else None
         # energy a sequence: the card's mean board power over the timed steps (at the power cap, what the speed is
         # bought with) over the sequences a second
-        clk = r.get("clocks") or {}
-        power = clk.get("power_mean_w", clk.get("power_w"))
+        power = (r.get("clocks") or {}).get("power_mean_w")
         r["mj_per_seq"] = power / r["seq_per_s"] * 1e3 if power else None
         results.append(r)
         peak = f"{r['peak_mem_gb']:.1f} GB" if r["peak_mem_gb"] is not None else "-"
