@@ -92,7 +92,7 @@ def run(args) -> int:
     from pathlib import Path
 
     from fastbert.errors import UsageError
-    from fastbert.tasks.settings import FinetuneError, TrainArgs, check_args, check_checkpoint, check_task
+    from fastbert.tasks.settings import FinetuneError, TrainArgs, check_args, check_checkpoint, check_data, check_task
 
     task = args.task.lower()
     max_seq_len = args.max_seq_len or (384 if task == "squad" else 128)
@@ -120,6 +120,7 @@ def run(args) -> int:
         check_checkpoint(Path(args.model))
     except FinetuneError as e:
         raise UsageError(str(e)) from None
+    check_data(task, args.data, args.train_file, args.eval_file)  # DataError: exit 1, as the task would give later
     from fastbert.tasks.finetune import run_finetune
 
     def finetune_one(targs, output):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from fastbert.data.tsv import read_tsv
+from fastbert.data.tsv import read_first_row, read_tsv
 from fastbert.errors import DataError
 
 log = logging.getLogger("fastbert")
@@ -96,21 +96,30 @@ def _resolve_column(task: GlueTask, header: list[str], col: str | int, path: Pat
                     f"is this the {task.name} file of the standard GLUE layout?")
 
 
+def _layout(task: GlueTask, first_row: list[str] | None, path: Path) -> list[int | None]:
+    """The columns of text_a, text_b and the label in ``path``, told from its first row (None: the file is empty);
+    DataError when that row does not fit the task's layout."""
+    if first_row is None:
+        raise DataError(f"{path} is empty")
+    header = first_row if task.header else []
+    if not task.header and first_row and first_row[0] == "index":
+        raise DataError(f"{path} has a header row; GLUE's {task.name} train/dev files have none "
+                        "(test.tsv files are unlabelled and cannot be used for training or evaluation)")
+    return [_resolve_column(task, header, c, path) if c is not None else None
+            for c in (task.text_a, task.text_b, task.label)]
+
+
+def check_layout(task: GlueTask, path: Path) -> None:
+    """``path``'s first row fits the task's layout (read_examples reads and checks every row)."""
+    _layout(task, read_first_row(path), Path(path))
+
+
 def read_examples(task: GlueTask, path: Path, max_samples: int | None = None) -> list[Example]:
     """Labelled examples of one split; raises DataError on a row that does not fit the layout."""
     path = Path(path)
     rows = read_tsv(path)
-    if not rows:
-        raise DataError(f"{path} is empty")
-    if task.header:
-        header, body, first_line = rows[0], rows[1:], 2
-    else:
-        header, body, first_line = [], rows, 1
-        if rows[0] and rows[0][0] == "index":
-            raise DataError(f"{path} has a header row; GLUE's {task.name} train/dev files have none "
-                            "(test.tsv files are unlabelled and cannot be used for training or evaluation)")
-    cols = [_resolve_column(task, header, c, path) if c is not None else None
-            for c in (task.text_a, task.text_b, task.label)]
+    cols = _layout(task, rows[0] if rows else None, path)
+    body, first_line = (rows[1:], 2) if task.header else (rows, 1)
     need = max(c for c in cols if c is not None) + 1
     label_index = {lab: i for i, lab in enumerate(task.labels)} if task.labels else None
     examples: list[Example] = []

@@ -37,6 +37,20 @@ def find_split(data: Path, split: str) -> Path | None:
     return None
 
 
+def split_file(data, split: str, explicit=None) -> Path:
+    """The SQuAD file of ``split``: ``explicit`` (--train-file / --eval-file) when given, else ``find_split``'s."""
+    if explicit:
+        path = Path(explicit)
+        if not path.is_file():
+            raise DataError(f"SQuAD {split} file not found: {path}")
+        return path
+    path = find_split(data, split)
+    if path is None:
+        raise DataError(f"no SQuAD {split} file: expected {data}/{split}-v1.1.json (or -v2.0.json), "
+                        f"or pass --{'train' if split == 'train' else 'eval'}-file")
+    return path
+
+
 def read_squad(path: Path, max_questions: int | None = None) -> tuple[list[SquadExample], bool]:
     """All questions of ``path`` in file order and whether the file is SQuAD v2.0."""
     path = Path(path)

@@ -1,5 +1,6 @@
 """What a fine-tuning run is given, checked before anything heavy loads: the training settings (``TrainArgs``),
-their bounds (``check_args``), the task name (``check_task``) and the checkpoint folder (``check_checkpoint``).
+their bounds (``check_args``), the task name (``check_task``), its data files (``check_data``) and the checkpoint
+folder (``check_checkpoint``).
 No torch here, so the ``fastbert finetune`` and ``sbert-train`` commands answer bad input at once;
 ``run_finetune`` checks the same."""
 from __future__ import annotations
@@ -61,6 +62,29 @@ def check_task(name: str) -> str:
     if key is None:
         raise FinetuneError(f"unknown task {name!r}; choose one of: {', '.join(TASK_NAMES)}")
     return key
+
+
+def check_data(task: str, data, train_file=None, eval_file=None) -> None:
+    """The task's train and dev files exist (and GLUE's first rows fit the task's layout), with the errors (DataError)
+    the task's ``prepare()`` raises: it reads and checks every row, after torch has loaded."""
+    key = check_task(task)
+    if key == "squad":
+        from fastbert.data.squad import split_file
+        split_file(data, "train", train_file)
+        split_file(data, "dev", eval_file)
+    elif key == "ner":
+        from fastbert.data.conll import find_split
+        for split in ("train", "dev"):
+            find_split(data, split)
+    elif key == "multiple-choice":
+        from fastbert.data.multiple_choice import find_split
+        for split in ("train", "dev"):
+            find_split(data, split)
+    else:
+        from fastbert.data.glue import check_layout, get_task, split_path
+        glue = get_task(key)
+        for split in ("train",) + glue.dev_splits:
+            check_layout(glue, split_path(glue, Path(data), split))
 
 
 def check_checkpoint(model_dir: Path) -> dict:

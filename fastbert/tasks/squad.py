@@ -15,12 +15,11 @@ when ``null - best_span > null_threshold``.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
-from fastbert.data.squad import SquadExample, find_split, read_squad
+from fastbert.data.squad import SquadExample, read_squad, split_file
 from fastbert.errors import DataError
 from fastbert.heads import BertForQuestionAnswering
 from fastbert.tasks.base import FinetuneTask, as_list, predict
@@ -135,23 +134,11 @@ class SquadTask(FinetuneTask):
         self.train_file, self.eval_file = train_file, eval_file
         self.v2 = False
 
-    def _path(self, explicit, split: str) -> Path:
-        if explicit:
-            path = Path(explicit)
-            if not path.is_file():
-                raise DataError(f"SQuAD {split} file not found: {path}")
-            return path
-        path = find_split(self.data, split)
-        if path is None:
-            raise DataError(f"no SQuAD {split} file: expected {self.data}/{split}-v1.1.json (or -v2.0.json), "
-                            f"or pass --{'train' if split == 'train' else 'eval'}-file")
-        return path
-
     def prepare(self) -> None:
         if self.doc_stride < 1 or self.max_query_len < 1 or self.max_answer_len < 1 or self.n_best < 1:
             raise DataError("--doc-stride, --max-query-len, --max-answer-len and --n-best must be >= 1")
-        train, v2_train = read_squad(self._path(self.train_file, "train"), self.max_train_samples)
-        self.eval_examples, v2_eval = read_squad(self._path(self.eval_file, "dev"), self.max_eval_samples)
+        train, v2_train = read_squad(split_file(self.data, "train", self.train_file), self.max_train_samples)
+        self.eval_examples, v2_eval = read_squad(split_file(self.data, "dev", self.eval_file), self.max_eval_samples)
         self.v2 = v2_train or v2_eval
         args = (self.tokenizer, self.max_seq_len, self.doc_stride, self.max_query_len)
         self.train_features = make_features(train, *args, training=True)

@@ -72,6 +72,36 @@ def test_help_and_usage_errors_load_no_torch(argv, code, says):
     assert "LOADED []" in r.stderr
 
 
+@pytest.mark.parametrize("task, files, extra, says", [
+    ("sst2", {}, [], "no GLUE sst2 data under"),
+    ("sst2", {"train.tsv": "gj04\t1\t\tA sentence.\n", "dev.tsv": "gj04\t1\t\tA sentence.\n"}, [],
+     "header has no 'sentence' column"),
+    ("mnli", {"train.tsv": "index\tsentence1\tsentence2\tgold_label\n"}, [], "dev_matched.tsv not found"),
+    ("cola", {"train.tsv": "index\tsentence\n", "dev.tsv": "gj04\t1\t\tA sentence.\n"}, [], "has a header row"),
+    ("squad", {"dev-v1.1.json": "{}"}, [], "no SQuAD train file"),
+    ("squad", {}, ["--train-file", "nope.json"], "SQuAD train file not found: nope.json"),
+    ("ner", {"train.txt": ""}, [], "no dev file in"),
+    ("mc", {"train.jsonl": ""}, [], "no dev file for multiple-choice"),
+])
+def test_finetune_data_errors_load_no_torch(tmp_path, task, files, extra, says):
+    """A missing split file or a GLUE file of another layout is answered before torch loads, with the error the
+    task's reader gives (exit 1); the readers check every row later."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"vocab_size": 8}')
+    (model / "vocab.txt").write_text("[PAD]\n[UNK]\n")
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, text in files.items():
+        (data / name).write_text(text)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", _NO_TORCH, "finetune", "--task", task, "--model", str(model),
+                        "--data", str(data), *extra], capture_output=True, text=True, cwd=root)
+    assert r.returncode == 1, r.stderr
+    assert "fastbert finetune: error: " in r.stderr and says in r.stderr
+    assert "LOADED []" in r.stderr
+
+
 def test_package_names_load_on_first_use():
     import fastbert
     assert set(fastbert.__all__) <= set(dir(fastbert))
