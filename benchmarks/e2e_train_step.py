@@ -52,10 +52,10 @@ inside the graphs (training/cuda_graphs.py); the table's "step" is a micro-batch
 Memory (CUDA): "peak GB" is the most the timed steps had allocated (torch's max_memory_allocated, reset after the
 warm-up). A graph contender's replays allocate nothing, their activations living in the graphs' private pool made at
 capture, so its peak is mostly weights, optimizer state and gradients: "held GB" (max_memory_reserved, the pools
-included) is the figure to set beside HF's. "SM MHz, W": the card's median SM clock and board power over the timed
-steps (``gpu_clocks.py``, nvidia-smi every 50 ms): at a power cap the clock moves with the work and the data, and
-hosts differ. "mJ/seq": the mean power over the sequences a second, the energy a sequence costs; a step that runs at
-the cap goes faster only by costing less of it.
+included) is the figure to set beside HF's. "SM MHz, W, C": the card's median SM clock and board power over the timed
+steps and its temperature, first -> highest (``gpu_clocks.py``, nvidia-smi every 50 ms): at a power cap the clock
+moves with the work, the data and the chip's temperature, and hosts differ. "mJ/seq": the mean power over the
+sequences a second, the energy a sequence costs; a step that runs at the cap goes faster only by costing less of it.
 
   python3 benchmarks/e2e_train_step.py --preset large --seq 128 --batch 128 --mode packed
   python3 benchmarks/e2e_train_step.py --preset large --seq 128 --batch 128 --probe-order
@@ -509,13 +509,18 @@ def run_in_worker(name: str, argv: list) -> Optional[dict]:
     return None
 
 
+def temps(clocks: dict, unit: str = "") -> str:
+    """The GPU's temperature over the timed steps, first -> highest (``gpu_clocks``), where the tool gave it."""
+    return f", {clocks['temp_start_c']:.0f}->{clocks['temp_max_c']:.0f}{unit}" if "temp_max_c" in clocks else ""
+
+
 def print_table(results: list) -> None:
     base = {r["contender"]: r for r in results}
     ref = base.get("hf-sdpa")
     # The check loss is an eval forward (FP8 GEMMs run in training forwards only); the last training loss
     # (same batches, init and step count everywhere) is where FP8's rounding would show.
-    print("\n| contender | ms/step | seq/s | tokens/s | model TFLOP/s | MFU | peak GB | held GB | SM MHz, W | mJ/seq | "
-          "loss diff vs hf-sdpa | last train loss | x hf-sdpa | x hf-compile | x fb-triton |")
+    print("\n| contender | ms/step | seq/s | tokens/s | model TFLOP/s | MFU | peak GB | held GB | SM MHz, W, C "
+          "| mJ/seq | loss diff vs hf-sdpa | last train loss | x hf-sdpa | x hf-compile | x fb-triton |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         sp = lambda k: f"{base[k]['ms_per_step'] / r['ms_per_step']:.2f}" if k in base else "-"  # noqa: E731
@@ -523,7 +528,8 @@ def print_table(results: list) -> None:
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         peak = f"{r['peak_mem_gb']:.1f}" if r["peak_mem_gb"] is not None else "-"
         held = f"{r['held_mem_gb']:.1f}" if r.get("held_mem_gb") is not None else "-"
-        clk = f"{r['clocks']['sm_mhz']:.0f}, {r['clocks']['power_w']:.0f}" if r.get("clocks") else "-"
+        c = r.get("clocks")
+        clk = f"{c['sm_mhz']:.0f}, {c['power_w']:.0f}{temps(c)}" if c else "-"
         mj = f"{r['mj_per_seq']:.1f}" if r.get("mj_per_seq") is not None else "-"
         print(f"| {r['contender']} | {r['ms_per_step']:.2f} | {r['seq_per_s']:.0f} | {r['tokens_per_s']:.0f} | "
               f"{r['tflops']:.0f} | {mfu} | {peak} | {held} | {clk} | {mj} | {diff} | {r['final_loss']:.4f} | "
@@ -631,7 +637,7 @@ def main(argv=None):
         peak = f"{r['peak_mem_gb']:.1f} GB" if r["peak_mem_gb"] is not None else "-"
         held = f", held {r['held_mem_gb']:.1f} GB" if r.get("held_mem_gb") is not None else ""
         clk = r.get("clocks")
-        clk = f"  {clk['sm_mhz']:.0f} MHz {clk['power_w']:.0f} W" if clk else ""
+        clk = f"  {clk['sm_mhz']:.0f} MHz {clk['power_w']:.0f} W{temps(clk, ' C')}" if clk else ""
         print(f"{r['contender']:11s} {r['ms_per_step']:8.2f} ms/step  {r['seq_per_s']:8.0f} seq/s  check loss "
               f"{r['check_loss']:.4f}  peak {peak}{held}{clk}", flush=True)
         if r.get("graph_replays", args.steps) != args.steps:

@@ -8,7 +8,11 @@ tells a slower host from slower code::
     with ClockSampler(device) as clocks:
         ...                      # the timed work
     clocks.result                # {"sm_mhz": median, "power_w": median, "power_mean_w": mean, "samples": n,
-                                 #  "power_field": ...} or None
+                                 #  "power_field": ..., "temp_start_c": first, "temp_max_c": highest} or None
+
+The GPU's temperature is there because at a power cap it moves the clock too: a hotter chip leaks more of the same
+watts, so a run that starts on a cool card can be faster than the same run after it (an order effect seen in the
+forty-first session's timings).
 
 The power is nvidia-smi's ``power.draw.instant`` where the tool has that field. Its ``power.draw`` is the average
 over the last second on these GPUs (NVML's power usage on Ampere and newer, equal to ``power.draw.average``), which
@@ -64,9 +68,10 @@ def power_field(tool: str, device: str) -> str:
 
 
 def parse(text: str) -> Optional[dict]:
-    """The medians (and the power's mean) of ``nvidia-smi --query-gpu=clocks.sm,<power field>
-    --format=csv,noheader,nounits`` lines (lines that are not two numbers are skipped); None below two samples."""
-    rows = []
+    """The medians (and the power's mean) of ``nvidia-smi --query-gpu=clocks.sm,<power field>,temperature.gpu
+    --format=csv,noheader,nounits`` lines (lines whose clock and power are not numbers are skipped), with the GPU's
+    temperature at the first sample and its highest (where the tool gave one); None below two samples."""
+    rows, temps = [], []
     for line in text.splitlines():
         parts = [p.strip() for p in line.split(",")]
         try:
@@ -74,10 +79,17 @@ def parse(text: str) -> Optional[dict]:
         except (ValueError, IndexError):
             continue
         rows.append((mhz, watt))
+        try:
+            temps.append(float(parts[2]))
+        except (ValueError, IndexError):
+            pass
     if len(rows) < 2:
         return None
-    return {"sm_mhz": statistics.median(r[0] for r in rows), "power_w": statistics.median(r[1] for r in rows),
-            "power_mean_w": round(statistics.fmean(r[1] for r in rows), 2), "samples": len(rows)}
+    out = {"sm_mhz": statistics.median(r[0] for r in rows), "power_w": statistics.median(r[1] for r in rows),
+           "power_mean_w": round(statistics.fmean(r[1] for r in rows), 2), "samples": len(rows)}
+    if temps:
+        out.update(temp_start_c=temps[0], temp_max_c=max(temps))
+    return out
 
 
 class ClockSampler:
@@ -103,8 +115,8 @@ class ClockSampler:
             index = torch.cuda.current_device()
         device = smi_id(index)
         self.power_field = power_field(tool, device)
-        self._cmd = [tool, "-i", device, f"--query-gpu=clocks.sm,{self.power_field}", "--format=csv,noheader,nounits",
-                     "-lms", str(interval_ms)]
+        self._cmd = [tool, "-i", device, f"--query-gpu=clocks.sm,{self.power_field},temperature.gpu",
+                     "--format=csv,noheader,nounits", "-lms", str(interval_ms)]
 
     def __enter__(self) -> "ClockSampler":
         if self._cmd is not None:

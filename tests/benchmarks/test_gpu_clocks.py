@@ -39,7 +39,8 @@ def fake_smi(folder: Path, lines: list, record: Path, instant: bool = True) -> N
 def test_medians_of_the_samples(tmp_path, monkeypatch, instant):
     gc = load()
     record = tmp_path / "args.txt"
-    fake_smi(tmp_path, ["1605, 689.5", "1710, 691.0", "[N/A], 12.0", "1500, 700.25", "garbage"], record, instant)
+    fake_smi(tmp_path, ["1605, 689.5, 41", "1710, 691.0, 48", "[N/A], 12.0, 50", "1500, 700.25, 46", "garbage"],
+             record, instant)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,GPU-abc")
     with gc.ClockSampler("cuda:1") as clocks:
@@ -49,9 +50,16 @@ def test_medians_of_the_samples(tmp_path, monkeypatch, instant):
         time.sleep(0.5)
     field = "power.draw.instant" if instant else "power.draw"   # the instant reading where the tool has it
     assert clocks.result == {"sm_mhz": 1605.0, "power_w": 691.0, "power_mean_w": 693.58, "samples": 3,
-                             "power_field": field}
+                             "power_field": field, "temp_start_c": 41.0, "temp_max_c": 48.0}
     args = record.read_text().split()
-    assert args[:2] == ["-i", "GPU-abc"] and f"--query-gpu=clocks.sm,{field}" in args and "-lms" in args
+    assert args[:2] == ["-i", "GPU-abc"] and f"--query-gpu=clocks.sm,{field},temperature.gpu" in args and "-lms" in args
+
+
+def test_temperature_is_optional():
+    """A tool that leaves the temperature out (or answers [N/A]) still gives the clock and power."""
+    gc = load()
+    assert gc.parse("1605, 689.5\n1710, 691.0, [N/A]\n") == {"sm_mhz": 1657.5, "power_w": 690.25,
+                                                            "power_mean_w": 690.25, "samples": 2}
 
 
 @pytest.mark.parametrize("lines", [[], ["1605, 689.5"], ["not a number"]], ids=["none", "one", "unreadable"])
