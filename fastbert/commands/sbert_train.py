@@ -62,6 +62,10 @@ def run(args) -> int:
         check_checkpoint(Path(args.model))
     except FinetuneError as e:
         raise UsageError(str(e)) from None
+    from fastbert.data.sentence_pairs import check_pairs_file
+    for path in (args.data, args.eval_data):  # DataError: exit 1, as reading them would give later
+        if path is not None:
+            check_pairs_file(path)
     from fastbert.tasks.sbert import run_sbert
     try:
         summary = run_sbert(args.model, args.data, args.objective, args.output, args.eval_data, train_args,

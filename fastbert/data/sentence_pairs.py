@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
-from fastbert.data.tsv import read_tsv
+from fastbert.data.tsv import read_first_row, read_tsv
 from fastbert.errors import DataError
 
 LAYOUTS = (
@@ -45,11 +45,21 @@ def detect_layout(header: list[str], path: Path) -> tuple[str, int, int, int, st
                     "NLI (sentence1, sentence2, gold_label) or sentence1, sentence2, label")
 
 
-def read_pairs(path, max_samples: Optional[int] = None) -> tuple[list[SentencePair], str, str]:
-    """``(pairs, layout name, "label" | "score")``. NLI rows with gold_label "-" (no consensus) are skipped."""
+def check_pairs_file(path) -> None:
+    """``path`` is a file whose header row names a layout (read_pairs reads and checks every row)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"sentence-pair file not found: {path}")
+    header = read_first_row(path)
+    if header is None:
+        raise DataError(f"{path} needs a header row and at least one pair")
+    detect_layout(header, path)
+
+
+def read_pairs(path, max_samples: Optional[int] = None) -> tuple[list[SentencePair], str, str]:
+    """``(pairs, layout name, "label" | "score")``. NLI rows with gold_label "-" (no consensus) are skipped."""
+    path = Path(path)
+    check_pairs_file(path)
     rows = read_tsv(path)
     if len(rows) < 2:
         raise DataError(f"{path} needs a header row and at least one pair")

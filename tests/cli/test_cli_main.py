@@ -102,6 +102,32 @@ def test_finetune_data_errors_load_no_torch(tmp_path, task, files, extra, says):
     assert "LOADED []" in r.stderr
 
 
+@pytest.mark.parametrize("files, extra, says", [
+    ({}, [], "sentence-pair file not found"),
+    ({"train.tsv": ""}, [], "needs a header row and at least one pair"),
+    ({"train.tsv": "a\tb\tc\nx\ty\t1\n"}, [], "cannot tell the sentence-pair layout from the header (a, b, c)"),
+    ({"train.tsv": "sentence1\tsentence2\tscore\nx\ty\t1\n"}, ["--eval-data", "dev.tsv"],
+     "sentence-pair file not found"),
+])
+def test_sbert_data_errors_load_no_torch(tmp_path, files, extra, says):
+    """``fastbert sbert-train``'s missing pair files and headers of no layout are answered before torch loads, with
+    read_pairs's own errors (exit 1)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"vocab_size": 8}')
+    (model / "vocab.txt").write_text("[PAD]\n[UNK]\n")
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    extra = [str(tmp_path / a) if a.endswith(".tsv") else a for a in extra]
+    r = subprocess.run([sys.executable, "-c", _NO_TORCH, "sbert-train", "--model", str(model), "--data",
+                        str(tmp_path / "train.tsv"), "--objective", "regression", *extra],
+                       capture_output=True, text=True, cwd=root)
+    assert r.returncode == 1, r.stderr
+    assert "fastbert sbert-train: error: " in r.stderr and says in r.stderr
+    assert "LOADED []" in r.stderr
+
+
 def test_package_names_load_on_first_use():
     import fastbert
     assert set(fastbert.__all__) <= set(dir(fastbert))
