@@ -45,25 +45,25 @@ def detect_layout(header: list[str], path: Path) -> tuple[str, int, int, int, st
                     "NLI (sentence1, sentence2, gold_label) or sentence1, sentence2, label")
 
 
-def check_pairs_file(path) -> None:
-    """``path`` is a file whose header row names a layout (read_pairs reads and checks every row)."""
+def check_pairs_file(path) -> tuple[str, int, int, int, str]:
+    """``detect_layout`` of ``path``'s header row, after checking the file is there (read_pairs reads and checks
+    every row)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"sentence-pair file not found: {path}")
     header = read_first_row(path)
     if header is None:
         raise DataError(f"{path} needs a header row and at least one pair")
-    detect_layout(header, path)
+    return detect_layout(header, path)
 
 
 def read_pairs(path, max_samples: Optional[int] = None) -> tuple[list[SentencePair], str, str]:
     """``(pairs, layout name, "label" | "score")``. NLI rows with gold_label "-" (no consensus) are skipped."""
     path = Path(path)
-    check_pairs_file(path)
+    layout, ia, ib, it, kind = check_pairs_file(path)
     rows = read_tsv(path)
     if len(rows) < 2:
         raise DataError(f"{path} needs a header row and at least one pair")
-    layout, ia, ib, it, kind = detect_layout(rows[0], path)
     need = max(ia, ib, it) + 1
     pairs = []
     for lineno, row in enumerate(rows[1:], start=2):
