@@ -83,12 +83,14 @@ def pre_op_ref(x: torch.Tensor, gelu: str | None, z: torch.Tensor | None) -> tor
 
 def cast_fp8_ref(x: torch.Tensor, history: AmaxHistory, row: int, dtype: torch.dtype):
     """Reference cast of a 2-D ``x``: ``(x8, x8 transposed and contiguous, scale_inv)``; records
-    ``x``'s amax in the current slot of ``row``. ``x8 * scale_inv`` approximates ``x``."""
+    ``x``'s amax in the current slot of ``row``. ``x8 * scale_inv`` approximates ``x``. The scale is
+    ``fp8_max / max`` of the row's previous slots in IEEE division, as the kernel's ``div_rn`` (torch's
+    ``float / tensor`` multiplies by the reciprocal: up to 1 ulp off)."""
     fmax = FP8_MAX[dtype]
     cur = torch.remainder(history.step, HISTORY)
     hist = history.amax[row]
     prev = torch.where(torch.arange(HISTORY, device=hist.device) == cur, 0.0, hist).amax()
-    scale = torch.where(prev > 0, fmax / prev, torch.ones_like(prev))
+    scale = torch.where(prev > 0, torch.full_like(prev, fmax) / prev, torch.ones_like(prev))
     x8 = (x.float() * scale).clamp(-fmax, fmax).to(dtype)
     hist.scatter_reduce_(0, cur, finite_amax(x).view(1), reduce="amax")
     return x8, x8.t().contiguous(), (1.0 / scale).reshape(())
